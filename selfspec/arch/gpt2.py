@@ -1,0 +1,28 @@
+"""GPT-2: learned absolute positions added to the token embedding, blocks in `transformer.h`, `ln_f`."""
+from __future__ import annotations
+
+from .base import ArchAdapter
+
+
+class GPT2Adapter(ArchAdapter):
+    model_types = ("gpt2",)
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.base = model.transformer
+
+    @property
+    def layers(self):
+        return self.base.h
+
+    def layer_type(self, i):
+        return "full_attention"
+
+    def embed(self, input_ids, positions):
+        return self.base.wte(input_ids) + self.base.wpe(positions.clamp(min=0))
+
+    def call_layer(self, i, hidden, mask, positions, rotary, cache):
+        return self.layers[i](hidden, cache=cache, attention_mask=mask, use_cache=True, position_ids=positions)
+
+    def final_norm(self, hidden):
+        return self.base.ln_f(hidden)

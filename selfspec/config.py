@@ -1,0 +1,81 @@
+"""`SelfSpecConfig`: the knobs of self-speculative decoding, saved as JSON next to the heads."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+CONFIG_NAME = "selfspec_config.json"
+DRAFTERS = ("early_exit", "ngram", "hybrid", "model", "oracle", "none")
+
+
+@dataclass
+class SelfSpecConfig:
+    # Drafting runs decoder layers [0, exit_layer) plus an exit head; 1 <= exit_layer <= L-1.
+    exit_layer: int = 8
+    # Most tokens proposed per verification step (K); the verifier adds one of its own.
+    max_draft_tokens: int = 6
+    # Stop drafting once the head's top probability falls below this (0 disables the early stop).
+    draft_confidence_threshold: float = 0.0
+    # Which drafter proposes tokens: early_exit (default), ngram, hybrid, model, oracle, none.
+    drafter: str = "early_exit"
+    # Prompt-lookup drafter: longest and shortest suffix n-gram to match.
+    ngram_max: int = 3
+    ngram_min: int = 1
+    # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
+    metadata: dict = field(default_factory=dict)
+
+    def validate(self, num_layers: int | None = None) -> "SelfSpecConfig":
+        """Raise ValueError naming the bad field and the accepted range."""
+        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be an integer >= 1, got {self.max_draft_tokens!r}.")
+        if not 0.0 <= float(self.draft_confidence_threshold) < 1.0:
+            raise ValueError(
+                f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}."
+            )
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}.")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
+        if num_layers is not None and not 1 <= self.exit_layer <= num_layers - 1:
+            raise ValueError(
+                f"exit_layer={self.exit_layer} is out of range for a model with {num_layers} decoder layers: "
+                f"choose 1 <= exit_layer <= {num_layers - 1} (layers [0, exit_layer) draft, the rest verify)."
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SelfSpecConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known - {"base_model", "heads", "selfspec_version"}
+        if unknown:
+            raise ValueError(f"Unknown SelfSpecConfig fields {sorted(unknown)}; known fields: {sorted(known)}.")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, directory: str, extra: dict | None = None) -> str:
+        """Write `selfspec_config.json` into `directory`; `extra` adds top-level keys (model identity, heads)."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, CONFIG_NAME)
+        with open(path, "w") as f:
+            json.dump({**self.to_dict(), **(extra or {})}, f, indent=2, sort_keys=True)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "SelfSpecConfig":
+        """Load from a directory holding `selfspec_config.json` or from the JSON file itself."""
+        return cls.from_dict(read_config_json(path))
+
+    def replace(self, **overrides) -> "SelfSpecConfig":
+        return dataclasses.replace(self, **overrides)
+
+
+def read_config_json(path: str) -> dict:
+    file = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"No selfspec config at {file!r} (expected a directory with {CONFIG_NAME}).")
+    with open(file) as f:
+        return json.load(f)

@@ -1,0 +1,258 @@
+"""The decode loop: prefill -> (draft -> verify -> accept -> rollback -> emit)* with stats.
+
+Shapes: B rows; S the token buffer `seq` (B, S) holding each row's left-padded prompt and generated tokens,
+`seq_len` (B,) its valid length; `pos` (B,) the position of each row's pending token (the last emitted one,
+not yet in the cache); drafts of the current step sit in `seq` right after `seq_len` until verified.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import SlotTable, SpecCache
+from .drafters.base import Draft, Drafter
+from .forward import StepContext, forward_early, forward_remainder
+from .processing import PrefixProcessor
+from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    verify_steps: int = 0  # full-model passes per row, prefill included
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per verify step, the verifier's own token included (vLLM and Spec-Bench count so)."""
+        return self.new_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.draft_seconds + self.verify_seconds
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_tokens": self.mean_accepted_tokens}
+
+    def __repr__(self) -> str:
+        return (f"GenerationStats(new_tokens={self.new_tokens}, verify_steps={self.verify_steps}, "
+                f"drafted={self.drafted_tokens}, accepted={self.accepted_tokens}, "
+                f"acceptance_rate={self.acceptance_rate:.3f}, mean_accepted_tokens={self.mean_accepted_tokens:.2f},"
+                f" draft_s={self.draft_seconds:.3f}, verify_s={self.verify_seconds:.3f})")
+
+
+@dataclass
+class DecodeSettings:
+    max_length: int  # total length, prompt included (HF semantics)
+    do_sample: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int = 0
+    max_draft_tokens: int = 6
+    exit_layer: int = 1  # layer the verifier starts from when a draft brings no hidden states
+    processors: PrefixProcessor = field(default_factory=lambda: PrefixProcessor(None))
+    criteria: list = field(default_factory=list)  # stopping criteria beyond EOS and max length
+    streamer: object = None
+    output_scores: bool = False
+
+
+class DecodeState:
+    """Per-call mutable state shared by the loop and the drafter."""
+
+    def __init__(self, ctx: StepContext, input_ids, attention_mask, settings: DecodeSettings):
+        self.ctx, self.settings = ctx, settings
+        self.batch, self.prompt_len = input_ids.shape
+        self.device = input_ids.device
+        self.vocab_size = ctx.adapter.vocab_size
+        self.do_sample = settings.do_sample
+        capacity = max(settings.max_length, self.prompt_len) + settings.max_draft_tokens + 2
+        self.seq = torch.full((self.batch, capacity), settings.pad_token_id, dtype=torch.long, device=self.device)
+        self.seq[:, : self.prompt_len] = input_ids
+        self.seq_len = torch.full((self.batch,), self.prompt_len, dtype=torch.long, device=self.device)
+        self.mask = attention_mask
+        self.pending = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros_like(self.pending)
+        self.finished = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
+        self.eos = torch.tensor(settings.eos_token_ids or [-1], device=self.device)
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.batch)]
+
+    @property
+    def adapter(self):
+        return self.ctx.adapter
+
+    def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.isin(tokens, self.eos)
+
+    def process(self, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """(B, T, V) float32 logits -> processed, position j following seq[b, :seq_len[b] + offset + j]."""
+        return self.settings.processors(self.seq, self.seq_len + offset, logits)
+
+    def write_draft(self, j: int, tokens: torch.Tensor) -> None:
+        """Put drafted tokens (B,) after each row's sequence so that later positions see them as prefix."""
+        self.seq.scatter_(1, (self.seq_len + j)[:, None], tokens[:, None])
+
+    def generated(self, row: int) -> torch.Tensor:
+        return self.seq[row, self.prompt_len : int(self.seq_len[row])]
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
+    """Run the prompt through all layers; return processed logits (B, 1, V) of the last prompt position."""
+    ids, mask = state.seq[:, : state.prompt_len], state.mask
+    if mask is None:
+        mask = torch.ones_like(ids)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    state.ctx.slots.has_holes = state.batch > 1 or bool((mask == 0).any())
+    early = forward_early(state.ctx, ids, positions, exit_layer, positions.masked_fill(mask == 0, -1))
+    out = forward_remainder(state.ctx, early.hidden, positions, exit_layer)
+    state.pos = mask.long().sum(-1)  # position of the first generated token
+    state.prompt_hidden = (early.hidden, out.hidden)
+    return state.process(out.logits(state.adapter, last_only=True).float())
+
+
+def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
+    """Run the pending token and the drafts through the layers they have not seen; processed logits (B, k+1, V)."""
+    inputs = torch.cat([state.pending[:, None], draft.tokens], dim=1)
+    positions = state.pos[:, None] + torch.arange(inputs.shape[1], device=state.device)
+    m = 0 if draft.hidden is None else draft.hidden.shape[1]
+    hidden = draft.hidden
+    if m < inputs.shape[1]:
+        fresh = forward_early(state.ctx, inputs[:, m:], positions[:, m:], exit_layer).hidden
+        hidden = fresh if hidden is None else torch.cat([hidden, fresh], dim=1)
+    out = forward_remainder(state.ctx, hidden, positions, exit_layer)
+    return state.process(out.logits(state.adapter).float())
+
+
+def choose(state: DecodeState, draft: Draft, logits: torch.Tensor):
+    """Accepted drafts n (B,) and the verifier's token (B,)."""
+    if not state.do_sample:
+        return verify_greedy(draft.tokens, logits, draft.draft_len)
+    return verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len)
+
+
+def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, logits: torch.Tensor) -> list[int]:
+    """Append accepted drafts + the verifier's token to each unfinished row, stopping at EOS / max length /
+    other criteria. Returns the tokens emitted per row."""
+    k = draft.k
+    emitted = torch.cat([draft.tokens, token[:, None]], dim=1).scatter_(1, n[:, None], token[:, None])
+    j = torch.arange(k + 1, device=state.device)[None, :]
+    valid = j <= n[:, None]
+    stops = valid & (state.is_eos(emitted) | (state.seq_len[:, None] + j + 1 >= state.settings.max_length))
+    first_stop = torch.where(stops.any(1), stops.float().argmax(1), torch.full_like(n, k + 1))
+    count = torch.minimum(n + 1, first_stop + 1).masked_fill(state.finished, 0)
+    done = state.finished | stops.any(1)
+    counts = count.tolist()
+    state.seq.scatter_(1, (state.seq_len + n)[:, None], token[:, None])  # the verifier's token after the drafts
+    if state.settings.criteria:
+        counts, done = _apply_criteria(state, counts, done, logits)
+    _record(state, counts, logits)
+    state.seq_len += torch.tensor(counts, device=state.device)
+    state.finished = done
+    return counts
+
+
+def _apply_criteria(state, counts, done, logits):
+    """Extra stopping criteria (stop strings, user criteria) need the row's text after every token."""
+    done = done.clone()
+    for b, c in enumerate(counts):
+        start = int(state.seq_len[b])
+        for j in range(c):
+            prefix = state.seq[b : b + 1, : start + j + 1]
+            if any(bool(crit(prefix, logits[b : b + 1, j]).any()) for crit in state.settings.criteria):
+                counts[b] = j + 1
+                done[b] = True
+                break
+    return counts, done
+
+
+def _record(state, counts, logits):
+    streamer = state.settings.streamer
+    for b, c in enumerate(counts):
+        if not c:
+            continue
+        start = int(state.seq_len[b])
+        if streamer is not None and state.batch == 1:
+            streamer.put(state.seq[b, start : start + c].cpu())
+        if state.settings.output_scores:
+            state.scores[b].extend(logits[b, :c].unbind(0))
+
+
+def rollback(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, base: int) -> None:
+    """Keep the verified inputs (pending + accepted drafts) of each row in the cache; the rest become holes."""
+    keep = n + 1
+    ctx = state.ctx
+    new_len = base + int(keep.max())
+    ctx.slots.keep_prefix(base, keep, base + draft.k + 1)
+    ctx.cache.rollback(new_len)
+    state.pos = state.pos + keep
+    state.pending = token.masked_fill(state.finished, state.settings.pad_token_id)
+
+
+def speculative_decode(ctx: StepContext, drafter: Drafter, input_ids, attention_mask, settings: DecodeSettings):
+    """Generate from (B, T0) left-padded `input_ids`. Returns (sequences (B, T0 + new), state, stats)."""
+    stats = GenerationStats()
+    state = DecodeState(ctx, input_ids, attention_mask, settings)
+    if settings.streamer is not None:
+        settings.streamer.put(input_ids.cpu())
+    t0 = time.perf_counter()
+    logits = prefill(state, settings.exit_layer)
+    first = sample(logits_to_probs(logits[:, 0])) if state.do_sample else logits[:, 0].argmax(-1)
+    no_draft = Draft.empty(state.batch, state.device)
+    counts = emit(state, no_draft, torch.zeros_like(first), first, logits)
+    rollback_noop(state, first)
+    drafter.begin(state)
+    _sync(state.device)
+    stats.prefill_seconds = time.perf_counter() - t0
+    stats.new_tokens, stats.verify_steps = sum(counts), state.batch
+    while not bool(state.finished.all()):
+        live = int((~state.finished).sum())
+        remaining = int((settings.max_length - state.seq_len).masked_fill(state.finished, 0).max())
+        k = max(0, min(settings.max_draft_tokens, remaining - 1))
+        base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)
+        t0 = time.perf_counter()
+        draft = drafter.propose(state, k)
+        _sync(state.device)
+        t1 = time.perf_counter()
+        logits = verify(state, draft, settings.exit_layer)
+        n, token = choose(state, draft, logits)
+        unfinished = ~state.finished
+        counts = emit(state, draft, n, token, logits)
+        rollback(state, draft, n, token, base)
+        drafter.accepted(state, draft, n)
+        _sync(state.device)
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += time.perf_counter() - t1
+        stats.verify_steps += live
+        stats.new_tokens += sum(counts)
+        stats.drafted_tokens += int(draft.draft_len[unfinished].sum())
+        stats.accepted_tokens += sum(min(a, c) for a, c in zip(n.tolist(), counts))
+    if settings.streamer is not None:
+        settings.streamer.end()
+    return _sequences(state), state, stats
+
+
+def rollback_noop(state: DecodeState, first: torch.Tensor) -> None:
+    """After prefill the cache already holds exactly the prompt; the first token becomes pending."""
+    state.pending = first.masked_fill(state.finished, state.settings.pad_token_id)
+
+
+def _sequences(state: DecodeState) -> torch.Tensor:
+    """Rows padded on the right with pad_token_id to the longest row, as HF's generate returns them."""
+    length = int(state.seq_len.max())
+    out = state.seq[:, :length].clone()
+    j = torch.arange(length, device=state.device)[None, :]
+    return out.masked_fill(j >= state.seq_len[:, None], state.settings.pad_token_id)

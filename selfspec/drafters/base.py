@@ -1,0 +1,42 @@
+"""The drafter interface: `propose(state, k) -> Draft`, then `accepted(state, n)` after verification."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # (B, k) proposed tokens; columns past a row's draft_len are ignored
+    draft_len: torch.Tensor  # (B,) tokens each row proposes, <= k
+    q: torch.Tensor | None = None  # (B, k, V) processed draft probabilities; None for point-mass drafts
+    # (B, m, H) layer-E states of the first m verify inputs (pending token, then drafts), already run through
+    # layers [0, E) into the shared cache; verification runs [0, E) only for inputs m..k.
+    hidden: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def empty(batch: int, device) -> "Draft":
+        return Draft(torch.empty(batch, 0, dtype=torch.long, device=device),
+                     torch.zeros(batch, dtype=torch.long, device=device))
+
+
+class Drafter:
+    """Proposes tokens for the verifier. Subclasses override `propose`; `begin`/`accepted` are hooks for drafters
+    with state of their own (a draft model's cache, a head's attention cache)."""
+
+    name = "none"
+    uses_early_layers = False
+
+    def begin(self, state) -> None:
+        """Called once after prefill."""
+
+    def propose(self, state, k: int) -> Draft:
+        return Draft.empty(state.batch, state.device)
+
+    def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
+        """Called after verification and rollback; n (B,) drafts accepted per row."""

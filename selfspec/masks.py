@@ -1,0 +1,34 @@
+"""Attention masks from slot positions: causal in token positions, holes masked, optional sliding window."""
+from __future__ import annotations
+
+import torch
+
+
+def build_mask(slot_pos, q_pos, q_start, window, dtype, impl):
+    """Mask of shape (B, 1, T, S) for T queries entering slots [q_start, q_start + T) of S = q_start + T slots.
+
+    slot_pos: (B, S) token position per slot, -1 for holes; q_pos: (B, T) positions of the queries.
+    A query sees valid slots at positions <= its own (and within `window` positions, if given). It always sees
+    its own slot too, so a padding query (a row of holes) gets a finite softmax instead of NaN.
+    sdpa takes the boolean mask; eager adds a float mask of 0 / dtype-min.
+    """
+    t = q_pos.shape[1]
+    keys = slot_pos[:, None, :]  # (B, 1, S)
+    queries = q_pos[:, :, None]  # (B, T, 1)
+    allowed = (keys >= 0) & (keys <= queries)
+    if window is not None:
+        allowed &= queries - keys < window
+    own = torch.arange(slot_pos.shape[1], device=slot_pos.device)[None, :] == (
+        q_start + torch.arange(t, device=slot_pos.device)
+    )[:, None]
+    allowed = (allowed | own[None]).unsqueeze(1)
+    if impl == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def needs_mask(has_holes: bool, t: int, kv_len: int, window: int | None) -> bool:
+    """A single query over a dense prefix shorter than the window attends to everything: no mask needed."""
+    return has_holes or t > 1 or (window is not None and kv_len > window)
