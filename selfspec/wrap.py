@@ -10,8 +10,8 @@ from .arch import adapter_for
 from .cache import SlotTable, SpecCache
 from .config import SelfSpecConfig
 from .decoding import DecodeSettings, GenerationStats, speculative_decode
+from .drafters import build_drafter
 from .drafters.base import Drafter
-from .drafters.early_exit import EarlyExitDrafter
 from .forward import StepContext
 from .heads import ExitHead
 from .hf import wrapped_generate
@@ -26,6 +26,7 @@ class SelfSpecEngine:
         self.config = config.validate(self.adapter.num_layers)
         self.heads: dict[int, ExitHead] = dict(heads or {})
         self.drafter_override: Drafter | None = None
+        self.draft_model = None  # a separate draft model, for drafter="model"
         self.last_stats: GenerationStats | None = None
         self.last_state = None
 
@@ -43,14 +44,10 @@ class SelfSpecEngine:
         self.heads[head.exit_layer] = head.to(device).eval()
 
     def build_drafter(self) -> Drafter:
+        """`drafter_override` (a Drafter set by code, e.g. the benchmark's oracle) wins over config.drafter."""
         if self.drafter_override is not None:
             return self.drafter_override
-        name = self.config.drafter
-        if name == "early_exit":
-            return EarlyExitDrafter(self.head_for(self.config.exit_layer), self.config.draft_confidence_threshold)
-        if name == "none":
-            return Drafter()
-        raise ValueError(f"drafter {name!r} is not available in this build.")
+        return build_drafter(self)
 
     # --- decoding --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -89,11 +86,22 @@ def wrap(model, config=None, **overrides):
 
     config: a SelfSpecConfig, a dict, or a directory written by `model.selfspec.save_pretrained` (config and
     heads); keyword overrides replace config fields (e.g. exit_layer=8, max_draft_tokens=6).
+    drafter: a name ("early_exit", "ngram", "hybrid", "none", ...), a Drafter instance, or a separate draft
+    model sharing the tokenizer (classic speculative decoding).
     """
     if getattr(model, "selfspec", None) is not None:
         raise ValueError("This model is already wrapped by selfspec; call selfspec.unwrap(model) first.")
+    drafter = overrides.pop("drafter", None)
+    if drafter is not None and not isinstance(drafter, str):
+        overrides["drafter"] = "model" if hasattr(drafter, "config") else "early_exit"
+    elif drafter is not None:
+        overrides["drafter"] = drafter
     config, directory = _resolve_config(config, overrides)
     engine = SelfSpecEngine(model, config)
+    if isinstance(drafter, Drafter):
+        engine.drafter_override = drafter
+    elif drafter is not None and not isinstance(drafter, str):
+        engine.draft_model = drafter
     if directory is not None:
         from .io import load_heads
 

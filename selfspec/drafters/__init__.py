@@ -1,0 +1,28 @@
+"""Drafters behind one interface (base.py). `build_drafter(engine)` picks one by `engine.config.drafter`."""
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import Draft, Drafter
+from .early_exit import EarlyExitDrafter
+
+# name -> factory(engine) -> Drafter; other modules add theirs with `register_drafter`.
+DRAFTER_FACTORIES: dict[str, Callable] = {
+    "early_exit": lambda engine: EarlyExitDrafter(
+        engine.head_for(engine.config.exit_layer), engine.config.draft_confidence_threshold),
+    "none": lambda engine: Drafter(),
+}
+
+
+def register_drafter(name: str, factory: Callable) -> None:
+    DRAFTER_FACTORIES[name] = factory
+
+
+def build_drafter(engine) -> Drafter:
+    name = engine.config.drafter
+    if name not in DRAFTER_FACTORIES:
+        raise ValueError(f"Unknown drafter {name!r}; available: {sorted(DRAFTER_FACTORIES)}.")
+    return DRAFTER_FACTORIES[name](engine)
+
+
+__all__ = ["Draft", "Drafter", "EarlyExitDrafter", "build_drafter", "register_drafter", "DRAFTER_FACTORIES"]
