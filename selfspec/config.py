@@ -23,6 +23,10 @@ class SelfSpecConfig:
     # Prompt-lookup drafter: longest and shortest suffix n-gram to match.
     ngram_max: int = 3
     ngram_min: int = 1
+    # Hybrid drafter: a row drafts its n-gram continuation when its matched suffix has at least this many
+    # tokens (else the early-exit head drafts), and with hybrid_extend the head continues a short n-gram draft.
+    hybrid_min_match: int = 2
+    hybrid_extend: bool = True
     # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
     metadata: dict = field(default_factory=dict)
 
@@ -38,6 +42,8 @@ class SelfSpecConfig:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
+        if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 1:
+            raise ValueError(f"hybrid_min_match must be an integer >= 1, got {self.hybrid_min_match!r}.")
         if num_layers is not None and not 1 <= self.exit_layer <= num_layers - 1:
             raise ValueError(
                 f"exit_layer={self.exit_layer} is out of range for a model with {num_layers} decoder layers: "

@@ -78,6 +78,10 @@ def _resolve_config(config, overrides: dict) -> tuple[SelfSpecConfig, str | None
         config = SelfSpecConfig.from_dict(config)
     elif not isinstance(config, SelfSpecConfig):
         raise TypeError(f"config must be a SelfSpecConfig, a dict or a path, got {type(config).__name__}.")
+    known = set(SelfSpecConfig.__dataclass_fields__)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"Unknown selfspec option(s) {unknown}; known options: {sorted(known)}.")
     return (config.replace(**overrides) if overrides else config), directory
 
 

@@ -5,12 +5,23 @@ from typing import Callable
 
 from .base import Draft, Drafter
 from .early_exit import EarlyExitDrafter
+from .oracle import OracleDrafter
+from .oracle import from_engine as _oracle_from_engine
+from .hybrid import HybridDrafter
+from .hybrid import from_engine as _hybrid_from_engine
+from .model import DraftModelDrafter
+from .model import from_engine as _model_from_engine
+from .ngram import NgramDrafter
 
 # name -> factory(engine) -> Drafter; other modules add theirs with `register_drafter`.
 DRAFTER_FACTORIES: dict[str, Callable] = {
     "early_exit": lambda engine: EarlyExitDrafter(
         engine.head_for(engine.config.exit_layer), engine.config.draft_confidence_threshold),
     "none": lambda engine: Drafter(),
+    "oracle": _oracle_from_engine,  # needs engine.drafter_override; the factory says so
+    "ngram": lambda engine: NgramDrafter(engine.config.ngram_max, engine.config.ngram_min),
+    "model": _model_from_engine,
+    "hybrid": _hybrid_from_engine,
 }
 
 

@@ -52,7 +52,7 @@ class EarlyExitDrafter(Drafter):
             x = token
         width = int(draft_len.max())
         return Draft(
-            tokens=torch.stack(tokens[:width], dim=1) if width else tokens[0][:, :0],
+            tokens=torch.stack(tokens[:width], dim=1) if width else tokens[0][:, None][:, :0],
             draft_len=draft_len,
             q=torch.stack(qs[:width], dim=1) if (qs and width) else None,
             hidden=torch.cat(hiddens[: width + 1], dim=1),

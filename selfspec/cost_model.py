@@ -1,0 +1,301 @@
+"""Predict self-speculative tokens/s from two cheap measurements instead of running every setting.
+
+1. Acceptance (`measure_acceptance`): one teacher-forced pass of the plain model over each calibration text
+   (prompt + the model's own greedy answer, `output_hidden_states=True`) gives the layer-E residual stream at
+   every answer position. The exit head at E turns it into draft tokens; `agree[i]` says whether the draft for
+   answer token i equals the token the full model emitted, `conf[i]` is the head's top probability there.
+   Because accepted drafts are exactly the full model's tokens, a greedy draft block starting at token c sees the
+   very states of this teacher-forced pass, so replaying the decode loop over `agree`/`conf` (`simulate`) counts
+   steps, drafted and accepted tokens as the engine would.
+2. Timings (`measure_timings`): the engine's own split forward, timed on this device: one pass of T tokens
+   through all layers (per-layer cost, T = 1..K+1), the exit head on one token, the LM head on T tokens, the
+   prefill of each prompt, and the loop's fixed cost per verify step and per drafted token.
+
+`predict` combines both: seconds = prefill + sum over steps of (drafting + verification + loop overhead).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from .cache import SlotTable, SpecCache
+from .drafters.early_exit import EarlyExitDrafter
+from .forward import StepContext, forward_early
+
+
+# --- acceptance -----------------------------------------------------------------------------------------------
+@dataclass
+class Sequence:
+    """One calibration text: `prompt` (1, P) ids and the plain model's greedy `answer` (N,) ids."""
+
+    prompt: torch.Tensor
+    answer: torch.Tensor
+
+
+@dataclass
+class LayerAcceptance:
+    """Per answer token i of each sequence: does the head at `exit_layer` draft it, and how sure is it."""
+
+    exit_layer: int
+    agree: list[list[bool]]  # [sequence][i]
+    conf: list[list[float]]  # [sequence][i], head's top probability
+
+    @property
+    def agreement(self) -> float:
+        """Share of answer tokens the head drafts correctly (the first-draft acceptance rate at threshold 0)."""
+        flat = [a for seq in self.agree for a in seq[1:]]  # token 0 comes from the prefill, never drafted
+        return sum(flat) / len(flat) if flat else 0.0
+
+    def position_profile(self, max_k: int) -> list[float]:
+        """P(draft j accepted | drafts 0..j-1 accepted), j = 0..max_k-1, from runs of agreement: the chance that
+        a block reaches one token further, given it got this far."""
+        reach = [0] * (max_k + 1)  # reach[j]: block starts whose first j drafts all agree
+        for seq in self.agree:
+            for start in range(1, len(seq)):
+                run = 0
+                while run < max_k and start + run < len(seq) and seq[start + run]:
+                    run += 1
+                for j in range(run + 1):
+                    reach[j] += 1
+        return [reach[j + 1] / reach[j] if reach[j] else 0.0 for j in range(max_k)]
+
+
+def _head_drafts(engine, exit_layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, N, H) layer-E states -> draft token ids (N,) and the head's top probability (N,)."""
+    head = engine.head_for(exit_layer)
+    head.reset_state(1)
+    logits = head(hidden, engine.adapter)[0].float()  # (N, V_draft)
+    probs = logits.softmax(-1)
+    conf, idx = probs.max(-1)
+    tokens = idx if head.vocab_ids is None else head.vocab_ids.to(idx.device)[idx]
+    return tokens, conf
+
+
+@torch.no_grad()
+def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]) -> dict[int, LayerAcceptance]:
+    """Teacher-forced agreement of each exit layer's head with the full model's greedy answer."""
+    model = engine.model
+    out = {e: LayerAcceptance(e, [], []) for e in exit_layers}
+    for seq in sequences:
+        p, n = seq.prompt.shape[1], seq.answer.numel()
+        ids = torch.cat([seq.prompt, seq.answer[None, :].to(seq.prompt.device)], dim=1)  # (1, P + N)
+        states = model(ids, output_hidden_states=True).hidden_states  # L + 1 of (1, P + N, H)
+        for e in exit_layers:
+            # position P - 1 + i predicts answer token i; hidden_states[e] is the input of layer e
+            tokens, conf = _head_drafts(engine, e, states[e][:, p - 1 : p - 1 + n])
+            out[e].agree.append((tokens.cpu() == seq.answer.cpu()).tolist())
+            out[e].conf.append(conf.cpu().tolist())
+    return out
+
+
+# --- timings --------------------------------------------------------------------------------------------------
+@dataclass
+class Timings:
+    """Seconds on this device, medians of repeats."""
+
+    num_layers: int
+    layer: list[float]  # layer[T]: one decoder layer on T new tokens (index 0 unused)
+    embed: float  # embedding + per-call fixed cost of a split forward
+    lm_head: list[float]  # lm_head[T]: final norm + LM head on T tokens (verification), index 0 unused
+    head: dict[int, float]  # exit head on one token at layer E, with the drafter's softmax/argmax
+    prefill: list[float]  # per calibration prompt
+    step_overhead: float = 0.0  # the loop's fixed cost per verify step (accept, emit, rollback, processors)
+    draft_overhead: float = 0.0  # the loop's fixed cost per drafted token beyond layers and head
+
+    def layers(self, count: int, tokens: int) -> float:
+        return count * self.layer[min(tokens, len(self.layer) - 1)]
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__, head={str(k): v for k, v in self.head.items()})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_call(fn, device, repeats: int = 5) -> float:
+    """Median seconds of `fn()` after one warm-up call, synchronising the device around each call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _prefilled_context(adapter, prompt: torch.Tensor) -> StepContext:
+    """A fresh shared cache holding `prompt` (1, P) in every layer, as after the engine's prefill."""
+    ctx = StepContext(adapter, SpecCache(adapter.num_layers), SlotTable(1, prompt.device))
+    positions = torch.arange(prompt.shape[1], device=prompt.device)[None, :]
+    forward_early(ctx, prompt, positions, adapter.num_layers)
+    return ctx
+
+
+def _time_tokens_through(ctx: StepContext, prompt: torch.Tensor, tokens: int, layers: int, repeats: int) -> float:
+    """Seconds to run `tokens` new tokens through layers [0, layers) on top of the prompt, then roll back."""
+    p = prompt.shape[1]
+    ids = prompt[:, :tokens] if prompt.shape[1] >= tokens else prompt[:, :1].expand(1, tokens)
+    positions = p + torch.arange(tokens, device=prompt.device)[None, :]
+
+    def step():
+        forward_early(ctx, ids, positions, layers)
+        ctx.cache.rollback(p)
+
+    return time_call(step, prompt.device, repeats)
+
+
+@torch.no_grad()
+def measure_timings(engine, prompts: list[torch.Tensor], exit_layers: list[int], max_tokens: int,
+                    repeats: int = 5) -> Timings:
+    """Time the pieces of a decode step with the engine's own forward on the first prompt's cache."""
+    adapter, device = engine.adapter, prompts[0].device
+    num_layers = adapter.num_layers
+    ctx = _prefilled_context(adapter, prompts[0])
+    all_layers = [0.0] + [_time_tokens_through(ctx, prompts[0], t, num_layers, repeats)
+                          for t in range(1, max_tokens + 1)]
+    embed = max(0.0, 2 * _time_tokens_through(ctx, prompts[0], 1, 1, repeats) - _time_tokens_through(
+        ctx, prompts[0], 1, 2, repeats))  # t(1 layer) = e + l, t(2 layers) = e + 2l  =>  e = 2 t1 - t2
+    layer = [0.0] + [max(all_layers[t] - embed, 0.0) / num_layers for t in range(1, max_tokens + 1)]
+    hidden = torch.zeros(1, max_tokens, adapter.hidden_size, dtype=_dtype_of(adapter), device=device)
+    lm_head = [0.0] + [time_call(lambda t=t: adapter.logits(adapter.final_norm(hidden[:, :t])).float().argmax(-1),
+                                 device, repeats) for t in range(1, max_tokens + 1)]
+    head = {e: _time_exit_head(engine, e, hidden[:, :1], repeats) for e in exit_layers}
+    prefill = [_time_prefill(adapter, prompt, repeats=max(1, repeats // 2)) for prompt in prompts]
+    return Timings(num_layers, layer, embed, lm_head, head, prefill)
+
+
+def _dtype_of(adapter) -> torch.dtype:
+    return next(adapter.layers[0].parameters()).dtype
+
+
+def _time_exit_head(engine, exit_layer: int, hidden: torch.Tensor, repeats: int) -> float:
+    """One drafted token's head cost: the head, the full-vocabulary scatter of a reduced head, softmax, argmax."""
+    drafter = EarlyExitDrafter(engine.head_for(exit_layer))
+    state = SimpleNamespace(adapter=engine.adapter, vocab_size=engine.adapter.vocab_size)
+
+    def run():
+        probs = drafter.head_logits(state, hidden).softmax(-1)
+        return probs.max(-1).values, probs.argmax(-1)
+
+    return time_call(run, hidden.device, repeats)
+
+
+def _time_prefill(adapter, prompt: torch.Tensor, repeats: int) -> float:
+    def run():
+        _prefilled_context(adapter, prompt)
+    return time_call(run, prompt.device, repeats)
+
+
+def fit_overheads(timings: Timings, none_step_seconds: float, early_draft_seconds: float) -> Timings:
+    """Loop costs the pieces miss, from two short engine runs: `none_step_seconds` is the engine's verify time
+    per step with no drafts (one token through all layers + LM head + loop), `early_draft_seconds` its draft
+    time per drafted token at exit layer 1 (one layer + head + loop)."""
+    base_step = timings.embed + timings.layers(timings.num_layers, 1) + timings.lm_head[1]
+    base_draft = timings.embed + timings.layers(1, 1) + timings.head.get(1, min(timings.head.values()))
+    timings.step_overhead = max(0.0, none_step_seconds - base_step)
+    timings.draft_overhead = max(0.0, early_draft_seconds - base_draft)
+    return timings
+
+
+# --- the replayed decode loop --------------------------------------------------------------------------------
+@dataclass
+class Counts:
+    """What a replayed greedy decode did, summed over sequences."""
+
+    new_tokens: int = 0
+    steps: int = 0  # verify steps after the prefill
+    prefills: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_passes: int = 0  # single-token passes through layers [0, E) + head while drafting
+    fresh_early: int = 0  # verify inputs that had not been through [0, E) yet (1 token each)
+    verify_width: dict[int, int] = field(default_factory=dict)  # T -> steps verifying T tokens
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return self.new_tokens / (self.steps + self.prefills) if self.steps + self.prefills else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def _draft_block(agree, conf, start: int, k: int, threshold: float, eos: list[bool]) -> tuple[int, int, int]:
+    """One step of the early-exit drafter from answer token `start`: (passes, drafted, accepted)."""
+    passes = drafted = 0
+    for j in range(k):
+        passes += 1
+        if conf[start + j] < threshold:
+            break
+        drafted += 1
+        if eos[start + j]:
+            break
+    accepted = 0
+    while accepted < drafted and agree[start + accepted]:
+        accepted += 1
+    return passes, drafted, accepted
+
+
+def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold: float) -> Counts:
+    """Replay the engine's greedy loop over the teacher-forced agreement of one exit layer."""
+    c = Counts()
+    for agree, conf, is_eos in zip(acc.agree, acc.conf, eos):
+        n = len(agree)
+        c.new_tokens += n
+        c.prefills += 1
+        done = 1  # the prefill emits answer token 0; the pending token is done - 1
+        while done < n:
+            # with r tokens left before max_length the engine drafts at most r - 1; an answer that ended at EOS
+            # was not cut by max_length, so its last block may draft up to the EOS itself
+            k = min(k_max, n - done - (0 if is_eos[-1] else 1))
+            passes, drafted, accepted = _draft_block(agree, conf, done, k, threshold, is_eos)
+            hidden_kept = min(passes, drafted + 1)
+            c.fresh_early += (drafted + 1) - hidden_kept
+            c.verify_width[drafted + 1] = c.verify_width.get(drafted + 1, 0) + 1
+            c.steps += 1
+            c.drafted += drafted
+            c.accepted += accepted
+            c.draft_passes += passes
+            done += accepted + 1
+    return c
+
+
+@dataclass
+class Prediction:
+    tokens_per_s: float
+    seconds: float
+    mean_accepted_tokens: float
+    acceptance_rate: float
+
+
+def predict_seconds(counts: Counts, timings: Timings, exit_layer: int) -> float:
+    """Wall time of the replayed decode on this device."""
+    t = timings
+    draft = counts.draft_passes * (t.embed + t.layers(exit_layer, 1) + t.head[exit_layer] + t.draft_overhead)
+    fresh = counts.fresh_early * (t.embed + t.layers(exit_layer, 1))
+    verify = sum(steps * (t.layers(t.num_layers - exit_layer, width) + t.lm_head[min(width, len(t.lm_head) - 1)])
+                 for width, steps in counts.verify_width.items())
+    return sum(t.prefill) + draft + fresh + verify + counts.steps * t.step_overhead
+
+
+def predict(acc: LayerAcceptance, eos: list[list[bool]], timings: Timings, k_max: int, threshold: float) -> Prediction:
+    counts = simulate(acc, eos, k_max, threshold)
+    seconds = predict_seconds(counts, timings, acc.exit_layer)
+    return Prediction(counts.new_tokens / seconds if seconds > 0 else 0.0, seconds,
+                      counts.mean_accepted_tokens, counts.acceptance_rate)
+
+
+def plain_seconds(timings: Timings, new_tokens: int, sequences: int) -> float:
+    """Predicted time of the engine without drafts: every token one full pass."""
+    per_token = timings.embed + timings.layers(timings.num_layers, 1) + timings.lm_head[1] + timings.step_overhead
+    return sum(timings.prefill) + (new_tokens - sequences) * per_token

@@ -1,0 +1,129 @@
+"""Hybrid drafting: prompt lookup where the context has a good match, the early-exit head elsewhere.
+
+Per step and row: a row whose last `min_match` or more tokens recur earlier in its text takes the n-gram
+continuation (a point-mass draft); every other row drafts with the early-exit head. With `extend`, a row whose
+n-gram continuation is shorter than k keeps drafting with the head after it.
+
+Why the early-exit pass runs over the n-gram tokens too
+-------------------------------------------------------
+`Draft.hidden` holds the layer-E states of the first m verify inputs for *every* row, and the early-exit pass
+writes layers [0, E) of the shared cache for those inputs. A batch that mixes n-gram rows and head rows therefore
+cannot give some rows hidden states and others none. The choice made here: whenever any row needs the head (a row
+without a strong match, or a row to extend), the early-exit pass runs for all rows, and every row is fed the
+tokens of its *own* draft: n-gram rows their n-gram tokens (teacher forcing), head rows the head's choices. The
+states and cache entries are then exactly those the verifier would compute for the tokens it verifies, so nothing
+is stale, and the work is not wasted: the verifier skips layers [0, E) for those inputs. The head's proposal is
+used only at a row's first free column. Columns that every extending row already knows (the pending token, then a
+common n-gram prefix) are fed as one block rather than one token at a time, so a lone n-gram row that is extended
+costs one early-exit pass over its n-gram tokens plus one per head token.
+
+When no row needs the head (every live row has a strong match and nothing to extend), the step is a plain n-gram
+draft: no early-exit pass, Draft.hidden = None, and the verifier runs all layers over the drafts in one pass.
+
+In sampling mode q is one-hot on n-gram tokens (point mass: accepted with probability p(x), resampled from p with x
+removed) and the head's processed distribution on head tokens; both keep rejection sampling exact.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..forward import forward_early
+from ..sampling import logits_to_probs, sample
+from .base import Draft, Drafter
+from .early_exit import EarlyExitDrafter
+from .ngram import NgramDrafter, write_drafts
+
+
+class HybridDrafter(Drafter):
+    name = "hybrid"
+    uses_early_layers = True
+
+    def __init__(self, early: EarlyExitDrafter, ngram: NgramDrafter, min_match: int = 2, extend: bool = True):
+        if min_match < 1:
+            raise ValueError(f"min_match must be >= 1, got {min_match}.")
+        self.early, self.ngram = early, ngram
+        self.min_match, self.extend = min_match, extend
+        self.steps: Counter = Counter()  # steps per path: "ngram", "early_exit", "mixed" (some rows of each)
+
+    def begin(self, state) -> None:
+        self.ngram.begin(state)
+
+    def propose(self, state, k: int) -> Draft:
+        if k == 0:
+            return Draft.empty(state.batch, state.device)
+        found = self.ngram.lookup(state, k)
+        strong = (found.match >= self.min_match) & (found.length > 0)
+        forced_len = found.length.masked_fill(~strong, 0)  # (B,) n-gram tokens each row takes
+        extending = self._needs_head(state, found.tokens, forced_len, strong, k)
+        if not bool(extending.any()):
+            self.steps["ngram"] += 1
+            return _ngram_draft(state, found.tokens, forced_len)
+        self.steps["mixed" if bool(strong.any()) else "early_exit"] += 1
+        return self._forced_early_exit(state, found.tokens.clone(), forced_len, extending)
+
+    def _needs_head(self, state, tokens, forced_len, strong, k: int) -> torch.Tensor:
+        """(B,) rows that draft with the head after their n-gram prefix (all of it, for rows without one)."""
+        live = ~state.finished
+        if not self.extend:
+            return live & ~strong
+        last = tokens.gather(1, (forced_len - 1).clamp(min=0)[:, None])[:, 0]
+        ends_in_eos = (forced_len > 0) & state.is_eos(last)
+        return live & (forced_len < k) & ~ends_in_eos
+
+    def _forced_early_exit(self, state, tokens, forced_len, extending) -> Draft:
+        """Early-exit drafting in which each row's first forced_len tokens are given (tokens (B, k)).
+
+        Input column c of the verify step is the pending token (c = 0) or draft token c - 1. Each round feeds the
+        columns every extending row already knows, [fed, end), through layers [0, E); the rows whose first free
+        draft column is end - 1 then take the head's proposal there if it is confident enough."""
+        k = tokens.shape[1]
+        write_drafts(state, tokens)  # the n-gram prefixes (later columns are overwritten as rows extend)
+        draft_len = forced_len.clone()
+        hiddens, head_q = [], []  # head_q: (column, rows that took the head's token, (B, V) probs)
+        fed = 0
+        while bool(extending.any()):
+            end = int(draft_len.masked_fill(~extending, k).min()) + 1
+            inputs = torch.cat([state.pending[:, None], tokens], dim=1)[:, fed:end]
+            positions = state.pos[:, None] + torch.arange(fed, end, device=state.device)[None, :]
+            h = forward_early(state.ctx, inputs, positions, self.early.exit_layer).hidden  # (B, end - fed, H)
+            hiddens.append(h)
+            fed, col = end, end - 1
+            proposing = extending & (draft_len == col)
+            logits = state.process(self.early.head_logits(state, h[:, -1:])[:, None], offset=col)[:, 0]  # (B, V)
+            probs = logits_to_probs(logits)
+            token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
+            take = proposing & (probs.max(dim=-1).values >= self.early.threshold)
+            tokens[:, col] = torch.where(take, token, tokens[:, col])
+            state.write_draft(col, tokens[:, col])
+            if state.do_sample:
+                head_q.append((col, take, probs))
+            draft_len += take.long()
+            extending = extending & ~(proposing & ~take) & ~(take & state.is_eos(token)) & (draft_len < k)
+        width = int(draft_len.max())
+        q = _mixed_q(tokens[:, :width], head_q, state.vocab_size) if state.do_sample else None
+        return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1))
+
+
+def _ngram_draft(state, tokens, length) -> Draft:
+    width = int(length.max())
+    if width == 0:
+        return Draft.empty(state.batch, state.device)
+    write_drafts(state, tokens[:, :width])
+    return Draft(tokens=tokens[:, :width], draft_len=length)
+
+
+def _mixed_q(tokens, head_q, vocab: int):
+    """(B, w, V) draft distribution: one-hot on forced tokens, the head's probabilities where a row took its token."""
+    q = torch.nn.functional.one_hot(tokens, vocab).float()
+    for col, take, probs in head_q:
+        if col < tokens.shape[1]:
+            q[:, col] = torch.where(take[:, None], probs, q[:, col])
+    return q
+
+
+def from_engine(engine) -> HybridDrafter:
+    cfg = engine.config
+    early = EarlyExitDrafter(engine.head_for(cfg.exit_layer), cfg.draft_confidence_threshold)
+    return HybridDrafter(early, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.hybrid_min_match, cfg.hybrid_extend)

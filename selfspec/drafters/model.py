@@ -1,0 +1,163 @@
+"""Classic speculative decoding: a separate, smaller causal LM with the same vocabulary drafts the tokens.
+
+The draft model keeps a cache of its own (a `SpecCache` + `SlotTable` in a `StepContext` of its own, run through
+`forward_early` with exit_layer = its number of layers), in step with the verified prefix:
+
+* `begin` prefills it with the prompt (same left padding, same positions as the verifier).
+* `propose` first feeds what the verifier has emitted since the draft model last saw the row (`fed` (B,) says how
+  far into `state.seq` it has read): always the pending token, plus the last draft of the previous step when all
+  drafts were accepted (the draft model proposes d_k without ever feeding it). Rows need different numbers of
+  catch-up tokens, so they are fed as one right-aligned (B, U) block whose missing left entries are holes
+  (slot position -1), the same trick the engine uses for left padding. Then it drafts k tokens autoregressively,
+  feeding d_1 .. d_{k-1}.
+* `accepted` keeps, per row, the catch-up block and the first min(n, fed drafts) draft slots; the rest become
+  holes and the cache is cut back to the longest row, exactly like the verifier's own rollback.
+
+q is the draft model's distribution after the same logits processors as the target (`state.process`) when
+sampling, so that rejection sampling is exact; greedy decoding drafts the processed argmax with q = None.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..arch import adapter_for
+from ..cache import SlotTable, SpecCache
+from ..forward import StepContext, forward_early
+from ..sampling import logits_to_probs, sample
+from .base import Draft, Drafter
+
+
+def vocab_mismatch(target, draft) -> str | None:
+    """Why `draft` cannot draft for `target` (a vocabulary difference), or None. Both are HF causal LMs."""
+    sizes = {}
+    for role, model in (("target", target), ("draft", draft)):
+        head = model.get_output_embeddings()
+        emb = model.get_input_embeddings()
+        cfg = model.config.get_text_config(decoder=True)
+        sizes[role] = {
+            "LM head rows": None if head is None else head.weight.shape[0],
+            "embedding rows": None if emb is None else emb.weight.shape[0],
+            "config.vocab_size": getattr(cfg, "vocab_size", None),
+        }
+    for what in sizes["target"]:
+        a, b = sizes["target"][what], sizes["draft"][what]
+        if a is not None and b is not None and a != b:
+            return f"{what} differ: target {a}, draft {b}"
+    return None
+
+
+def check_draft_model(target, draft) -> None:
+    """Raise ValueError unless `draft` is a causal LM that shares the target's vocabulary."""
+    if draft is target:
+        raise ValueError("The draft model is the target model itself; pass a separate, smaller model.")
+    reason = vocab_mismatch(target, draft)
+    if reason is not None:
+        raise ValueError(
+            f"The draft model {type(draft).__name__} does not share the target's vocabulary ({reason}). "
+            f"Speculative decoding compares token ids, so the draft model must use the same tokenizer: pick a "
+            f"smaller model of the same family (e.g. SmolLM2-135M drafting for SmolLM2-1.7B)."
+        )
+
+
+@dataclass
+class _Step:
+    """What `propose` did to the draft cache, for `accepted` to roll back."""
+
+    base: int  # draft-cache length before this step
+    block: int  # width U of the catch-up block
+    fed_drafts: int  # drafts d_1.. fed after the block
+    seq_len: torch.Tensor  # (B,) state.seq_len when proposing (the pending token sits at seq_len - 1)
+
+
+class DraftModelDrafter(Drafter):
+    name = "model"
+
+    def __init__(self, draft_model, target=None):
+        if target is not None:
+            check_draft_model(target, draft_model)
+        self.model = draft_model
+        self.adapter = adapter_for(draft_model)
+        self.device = self.adapter.device_of_layer(0)
+        self.ctx: StepContext | None = None
+        self.fed: torch.Tensor | None = None  # (B,) tokens of state.seq the draft cache holds, per row
+        self.step: _Step | None = None
+
+    # --- the draft model's own forward ----------------------------------------------------------------------
+    def _run(self, ids, positions, slot_positions=None) -> torch.Tensor:
+        """All layers of the draft model on (B, T) tokens -> (B, T, V) float32 logits on the target's device."""
+        dev = self.device
+        hidden = forward_early(self.ctx, ids.to(dev), positions.to(dev), self.adapter.num_layers,
+                               None if slot_positions is None else slot_positions.to(dev)).hidden
+        return self.adapter.logits(self.adapter.final_norm(hidden[:, -1:])).float().to(ids.device)
+
+    def begin(self, state) -> None:
+        self.ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers), SlotTable(state.batch, self.device))
+        ids = state.seq[:, : state.prompt_len]
+        mask = state.mask if state.mask is not None else torch.ones_like(ids)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        self.ctx.slots.has_holes = state.batch > 1 or bool((mask == 0).any())
+        self._run(ids, positions, positions.masked_fill(mask == 0, -1))
+        self.fed = torch.full_like(state.seq_len, state.prompt_len)
+        self.step = None
+
+    def _catch_up(self, state) -> tuple[torch.Tensor, int]:
+        """Feed each row's unseen verified tokens (ending with the pending one) as one right-aligned block.
+        Returns the (B, V) logits after the block and its width U."""
+        unseen = (state.seq_len - self.fed).masked_fill(state.finished, 1).clamp(min=1)
+        width = int(unseen.max())
+        j = torch.arange(width, device=state.device)[None, :]
+        index = state.seq_len[:, None] - width + j  # (B, U) right-aligned: the last column is the pending token
+        positions = state.pos[:, None] - (width - 1) + j
+        hole = (index < (state.seq_len - unseen)[:, None]) | state.finished[:, None]
+        ids = state.seq.gather(1, index.clamp(min=0))
+        slot_positions = positions.masked_fill(hole, -1)
+        return self._run(ids, positions.clamp(min=0), slot_positions)[:, -1], width
+
+    def propose(self, state, k: int) -> Draft:
+        if k == 0:
+            self.step = None
+            return Draft.empty(state.batch, state.device)
+        base = self.ctx.cache.layer_length(0)
+        logits, width = self._catch_up(state)
+        active = ~state.finished
+        draft_len = torch.zeros_like(state.seq_len)
+        tokens, qs = [], []
+        fed_drafts = 0
+        for j in range(k):
+            logits = state.process(logits[:, None], offset=j)[:, 0]  # (B, V)
+            probs = logits_to_probs(logits) if state.do_sample else None
+            token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
+            draft_len += active.long()
+            active = active & ~state.is_eos(token)  # nothing is drafted after an EOS
+            tokens.append(token)
+            if probs is not None:
+                qs.append(probs)
+            state.write_draft(j, token)
+            if j + 1 == k or not bool(active.any()):
+                break
+            logits = self._run(token[:, None], state.pos[:, None] + j + 1)[:, -1]
+            fed_drafts += 1
+        self.step = _Step(base, width, fed_drafts, state.seq_len.clone())
+        return Draft(tokens=torch.stack(tokens, dim=1), draft_len=draft_len,
+                     q=torch.stack(qs, dim=1) if qs else None)
+
+    def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
+        step = self.step
+        if step is None:
+            return
+        keep = torch.minimum(n, torch.full_like(n, step.fed_drafts)).to(self.device)
+        start = step.base + step.block
+        self.ctx.slots.keep_prefix(start, keep, start + step.fed_drafts)
+        self.ctx.cache.rollback(start + int(keep.max()))
+        self.fed = step.seq_len + keep.to(state.device)
+        self.step = None
+
+
+def from_engine(engine) -> DraftModelDrafter:
+    """The registry's factory for drafter="model": the draft model the engine holds, checked against the target."""
+    if engine.draft_model is None:
+        raise ValueError('drafter="model" needs a draft model: selfspec.wrap(model, drafter=draft_model), or set '
+                         'model.selfspec.draft_model = draft_model.')
+    return DraftModelDrafter(engine.draft_model, engine.model)

@@ -1,0 +1,122 @@
+"""Prompt lookup: draft the continuation of the most recent earlier occurrence of each row's last n tokens.
+
+No parameters and no forward pass. Row b's text is `state.seq[b, :state.seq_len[b]]` (its prompt, then what it
+generated) with the prompt's padding ignored. For n from `ngram_max` down to `ngram_min`, the row's last n tokens
+are looked up in that text; the first n that has a match wins, and the drafted tokens are the up to k tokens that
+followed its most recent occurrence. The draft is a point mass (Draft.q = None) and brings no hidden states
+(Draft.hidden = None): the verifier runs every layer over the drafted positions.
+
+The lookup is vectorised over the batch: one (B, S) comparison per suffix offset d < ngram_max, so a step costs
+O(B * S * ngram_max) elementwise work and no per-row Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Draft, Drafter
+
+_PAD = -1  # stands in for prompt padding: never equal to a real token
+_SHIFT_FILL = -2  # fills the left edge of shifted copies: equal to neither a token nor _PAD
+
+
+@dataclass
+class NgramProposal:
+    tokens: torch.Tensor  # (B, k) continuation tokens; columns past `length` hold the row's last token
+    length: torch.Tensor  # (B,) usable tokens per row, 0 when the row has no match
+    match: torch.Tensor  # (B,) length n of the matched suffix, 0 when none
+
+
+def suffix_match(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: int):
+    """Longest suffix match per row, most recent occurrence first.
+
+    text: (B, L) tokens with _PAD where a row has no token; last: (B,) index of each row's last token.
+    Returns (match (B,), end (B,)): the suffix length n matched (0 if none) and the index in `text` where the
+    earlier occurrence ends (it ends before `last`, so at least one token follows it)."""
+    b, length = text.shape
+    idx = torch.arange(length, device=text.device)[None, :]  # (1, L)
+    before_last = idx < last[:, None]  # an occurrence must end before the suffix's own last token
+    run = torch.ones_like(text, dtype=torch.bool)  # run[b, e]: text[b, e-d] == suffix token d for all d so far
+    match = torch.zeros_like(last)
+    end = torch.zeros_like(last)
+    for d in range(n_max):
+        suffix_tok = text.gather(1, (last - d).clamp(min=0)[:, None])  # (B, 1)
+        suffix_ok = (last - d >= 0)[:, None] & (suffix_tok != _PAD)
+        shifted = text if d == 0 else torch.nn.functional.pad(text[:, :-d], (d, 0), value=_SHIFT_FILL)
+        run &= (shifted == suffix_tok) & suffix_ok
+        n = d + 1
+        if n < n_min:
+            continue
+        found = run & before_last
+        e = torch.where(found, idx, -1).max(dim=1).values  # most recent occurrence ending at e
+        hit = e >= 0
+        match = torch.where(hit, n, match)  # longer n overwrite shorter ones: the loop runs n upwards
+        end = torch.where(hit, e, end)
+    return match, end
+
+
+def continuation(text: torch.Tensor, last: torch.Tensor, match: torch.Tensor, end: torch.Tensor, k: int):
+    """Up to k tokens after each row's match end: (tokens (B, k), length (B,))."""
+    j = torch.arange(k, device=text.device)[None, :]
+    where = torch.minimum(end[:, None] + 1 + j, last[:, None])
+    length = torch.minimum(last - end, torch.full_like(last, k)).masked_fill(match == 0, 0)
+    # columns past a row's length still go through the verifier: give them the row's last token, never _PAD
+    where = torch.where(j < length[:, None], where, last[:, None])
+    return text.gather(1, where), length
+
+
+def cut_after_eos(tokens: torch.Tensor, length: torch.Tensor, is_eos) -> torch.Tensor:
+    """Nothing is drafted after an EOS: (B,) lengths cut to end at a row's first drafted EOS, if any."""
+    j = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    stop = is_eos(tokens) & (j < length[:, None])
+    first = torch.where(stop.any(1), stop.long().argmax(1) + 1, length)
+    return torch.minimum(length, first)
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min={ngram_min}, ngram_max={ngram_max}.")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.prompt_pad: torch.Tensor | None = None  # (B, T0) True where the prompt is padding
+
+    def begin(self, state) -> None:
+        mask = state.mask
+        self.prompt_pad = None if mask is None else (mask == 0)
+
+    def _text(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L) tokens of every row up to the longest, padding replaced by _PAD; (B,) index of last tokens."""
+        length = int(state.seq_len.max())
+        text = state.seq[:, :length]
+        if self.prompt_pad is not None and bool(self.prompt_pad.any()):
+            pad = torch.nn.functional.pad(self.prompt_pad, (0, length - self.prompt_pad.shape[1]), value=False)
+            text = text.masked_fill(pad[:, :length], _PAD)
+        return text, state.seq_len - 1
+
+    def lookup(self, state, k: int) -> NgramProposal:
+        """The n-gram continuation for every row (length 0 for finished rows and rows without a match)."""
+        text, last = self._text(state)
+        match, end = suffix_match(text, last, self.ngram_max, self.ngram_min)
+        match = match.masked_fill(state.finished, 0)
+        tokens, length = continuation(text, last, match, end, k)
+        return NgramProposal(tokens, cut_after_eos(tokens, length, state.is_eos), match)
+
+    def propose(self, state, k: int) -> Draft:
+        if k == 0:
+            return Draft.empty(state.batch, state.device)
+        found = self.lookup(state, k)
+        width = int(found.length.max())
+        if width == 0:
+            return Draft.empty(state.batch, state.device)
+        tokens = found.tokens[:, :width]
+        write_drafts(state, tokens)
+        return Draft(tokens=tokens, draft_len=found.length)
+
+
+def write_drafts(state, tokens: torch.Tensor) -> None:
+    """Put (B, w) drafted tokens after each row's sequence (processors and `emit` read them from there)."""
+    cols = state.seq_len[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    state.seq.scatter_(1, cols, tokens)

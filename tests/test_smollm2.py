@@ -1,0 +1,50 @@
+"""Greedy identity on the real SmolLM2-135M-Instruct weights, on Spec-Bench prompts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.prompts import chat_input_ids, load_prompts
+
+pytestmark = pytest.mark.slow
+NEW = 64
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    _, tok = smollm2
+    chosen = load_prompts(categories=["translation", "qa", "math_reasoning"], limit_per_category=1)
+    return [chat_input_ids(tok, p.text) for p in chosen]
+
+
+def test_greedy_identity_on_spec_bench(smollm2, prompts):
+    model, tok = smollm2
+    for ids in prompts:
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        for exit_layer, k in ((8, 4), (20, 6)):
+            selfspec.wrap(model, exit_layer=exit_layer, max_draft_tokens=k)
+            try:
+                out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+                stats = model.selfspec.last_stats
+            finally:
+                selfspec.unwrap(model)
+            assert torch.equal(out, ref), (exit_layer, k, tok.decode(out[0, ids.shape[1]:]))
+            assert stats.new_tokens == ref.shape[1] - ids.shape[1]
+
+
+def test_padded_batch_on_real_model(smollm2, prompts):
+    model, tok = smollm2
+    texts = [tok.decode(p[0]) for p in prompts[:2]]
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    rows = [model.generate(tok(t, return_tensors="pt", add_special_tokens=False)["input_ids"],
+                           max_new_tokens=32, do_sample=False) for t in texts]
+    selfspec.wrap(model, exit_layer=24, max_draft_tokens=4)
+    try:
+        out = model.generate(**batch, max_new_tokens=32, do_sample=False)
+    finally:
+        selfspec.unwrap(model)
+    width = batch["input_ids"].shape[1]
+    for r, ref in enumerate(rows):
+        new = ref[0, ref.shape[1] - (ref.shape[1] - len(tok(texts[r], add_special_tokens=False)["input_ids"])):]
+        assert out[r, width : width + new.numel()].tolist() == new.tolist()
