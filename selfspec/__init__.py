@@ -8,5 +8,13 @@ from .config import SelfSpecConfig
 from .decoding import GenerationStats
 from .wrap import SelfSpecEngine, unwrap, wrap
 
+
+def from_pretrained(name_or_dir: str = "smollm2-135m", **kwargs):
+    """(wrapped model, tokenizer) for an embedded model name, a saved selfspec directory or an HF model path."""
+    from .pretrained import from_pretrained as _load
+
+    return _load(name_or_dir, **kwargs)
+
+
 __version__ = "0.1.0"
-__all__ = ["SelfSpecConfig", "GenerationStats", "SelfSpecEngine", "wrap", "unwrap", "__version__"]
+__all__ = ["SelfSpecConfig", "GenerationStats", "SelfSpecEngine", "wrap", "unwrap", "from_pretrained", "__version__"]

@@ -57,7 +57,7 @@ class SelfSpecConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "SelfSpecConfig":
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known - {"base_model", "heads", "selfspec_version"}
+        unknown = set(data) - known - {"base_model", "base_model_path", "heads", "selfspec_version"}
         if unknown:
             raise ValueError(f"Unknown SelfSpecConfig fields {sorted(unknown)}; known fields: {sorted(known)}.")
         return cls(**{k: v for k, v in data.items() if k in known})

@@ -60,3 +60,45 @@ def _vocab_placeholder(spec: dict) -> torch.Tensor | None:
     # the real ids arrive with load_state_dict; the buffer only needs the right shape
     size = spec.get("draft_vocab_size")
     return None if size is None else torch.zeros(size, dtype=torch.long)
+
+
+@register_head
+class MLPHead(ExitHead):
+    """Residual MLP adapter before the shared norm + LM head: h + down(silu(up(rmsnorm(h)))).
+
+    `down` starts at zero, so an untrained MLP head is exactly the plain exit (design 1) and training can only
+    move away from it where that helps.
+    """
+
+    kind = "mlp"
+
+    def __init__(self, exit_layer: int, hidden_size: int, rank: int | None = None,
+                 vocab_ids: torch.Tensor | None = None, eps: float = 1e-6):
+        super().__init__(exit_layer, vocab_ids)
+        self.hidden_size, self.rank = hidden_size, rank or 2 * hidden_size
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.up = nn.Linear(hidden_size, self.rank, bias=False)
+        self.down = nn.Linear(self.rank, hidden_size, bias=False)
+        nn.init.zeros_(self.down.weight)
+
+    def transform(self, hidden, adapter):
+        x = self.norm(hidden.to(self.up.weight.dtype))
+        return hidden + self.down(nn.functional.silu(self.up(x))).to(hidden.dtype)
+
+    def spec(self) -> dict:
+        return {**super().spec(), "hidden_size": self.hidden_size, "rank": self.rank}
+
+    @classmethod
+    def from_spec(cls, spec: dict, adapter: ArchAdapter) -> "MLPHead":
+        if spec["hidden_size"] != adapter.hidden_size:
+            raise ValueError(f"MLP head for hidden size {spec['hidden_size']}, model has {adapter.hidden_size}.")
+        return cls(spec["exit_layer"], spec["hidden_size"], spec["rank"], _vocab_placeholder(spec))
+
+
+def frequent_token_ids(token_ids: torch.Tensor, size: int, always: list[int] | None = None) -> torch.Tensor:
+    """The `size` most frequent ids of a (N,) token stream, plus `always` (e.g. EOS), sorted: a draft vocabulary."""
+    counts = torch.bincount(token_ids.flatten().long())
+    top = torch.argsort(counts, descending=True)[:size]
+    top = top[counts[top] > 0]
+    ids = torch.unique(torch.cat([top, torch.tensor(always or [], dtype=torch.long)]))
+    return ids

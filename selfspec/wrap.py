@@ -62,6 +62,12 @@ class SelfSpecEngine:
         self.last_stats, self.last_state = stats, state
         return sequences, state
 
+    def save_pretrained(self, directory: str) -> str:
+        """Write only what selfspec adds (config JSON + head weights as safetensors); returns the config path."""
+        from .io import save_engine
+
+        return save_engine(self, directory)
+
     def __repr__(self) -> str:
         return (f"SelfSpecEngine({type(self.model).__name__}, layers={self.adapter.num_layers}, "
                 f"config={self.config}, heads={sorted(self.heads)})")
