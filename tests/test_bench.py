@@ -1,0 +1,217 @@
+"""`selfspec bench` on small random models: every method runs and matches hf-greedy, a planted mismatch is caught,
+the oracle drafter accepts everything (and only because its proposals are right), outputs and CLI work."""
+from __future__ import annotations
+
+import json
+import pytest
+import torch
+import transformers as tf
+
+import selfspec
+from conftest import make_model, padded_batch, prompt
+from selfspec import bench
+from selfspec.drafters.oracle import OracleDrafter
+
+EOS = 2
+SMALL = dict(exit_layer=2, max_draft_tokens=4, max_new_tokens=12, warmup_tokens=4, tune_tokens=4)
+
+
+def _batch(category: str, seed: int, length: int = 8) -> bench.Batch:
+    ids = prompt(seed=seed, length=length)
+    return bench.Batch(category, [f"{category}-{seed}"], ids, torch.ones_like(ids))
+
+
+def _workload(per_category: int = 2) -> bench.Workload:
+    measured = [_batch(c, 10 * i + j) for i, c in enumerate(("qa", "rag")) for j in range(per_category)]
+    return bench.Workload(measured, warmup=_batch("warmup", 90), tune=[_batch("tune", 91)])
+
+
+def _run(model, registry=None, workload=None, **cfg):
+    config = bench.BenchConfig(**{**SMALL, **cfg})
+    return bench.run_bench(model, workload or _workload(), config, pad_id=0, eos_ids=[EOS], registry=registry)
+
+
+def _meta(cfg: bench.BenchConfig) -> dict:
+    machine = {**bench.machine_info(torch.device("cpu")), "loadavg_start": None, "loadavg_end": None}
+    return {"command": "test", "machine": machine, "versions": bench.versions(),
+            "model": {"name": "tiny-llama", "dtype": "float64"}, "settings": bench.asdict(cfg)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", 4)
+
+
+@pytest.fixture(scope="module")
+def result(model):
+    return _run(model)
+
+
+def test_every_method_runs_on_every_prompt_and_matches_hf_greedy(result):
+    expected = list(bench.default_methods())
+    assert result.names == expected and "oracle" in expected and "hf-early-exit" in expected
+    for name in expected:
+        mine = [r for r in result.records if r.method == name]
+        assert [r.question_ids for r in mine] == [["qa-0"], ["qa-1"], ["rag-10"], ["rag-11"]], name
+        assert all(r.exact and r.new_tokens > 0 and r.seconds > 0 for r in mine), name
+    assert not result.mismatches
+    overall = result.summary["overall"]
+    assert set(result.summary) == {"qa", "rag", "overall"}
+    assert overall["hf-greedy"]["speedup"] == pytest.approx(1.0)
+    assert overall["oracle"]["oracle_fraction"] == pytest.approx(1.0)
+    assert all(row["exact"] == 4 and row["prompts"] == 4 for row in overall.values())
+    assert result.setup["hf_early_exit_layer"] in (1, 2, 3)  # chosen among L/4, L/2, 3L/4, E
+
+
+def test_acceptance_columns_mean_what_they_say(result):
+    overall = result.summary["overall"]
+    # the oracle proposes the true continuation: everything it drafts is accepted, K + 1 tokens per pass at most
+    assert overall["oracle"]["acceptance"] == 1.0
+    assert 2.0 < overall["oracle"]["mean_accepted"] <= SMALL["max_draft_tokens"] + 1
+    # no drafting: one token per full pass; the plain model likewise
+    assert overall["selfspec-ar"]["mean_accepted"] == 1.0 and overall["selfspec-ar"]["acceptance"] is None
+    assert overall["hf-greedy"]["mean_accepted"] == 1.0
+    assert 0.0 < overall["selfspec-untrained"]["acceptance"] < 1.0
+    assert overall["hf-early-exit"]["mean_accepted"] > 1.0  # HF's candidates are counted too
+
+
+class Perturbed(bench.HFMethod):
+    """hf-greedy with one token changed: a planted mismatch."""
+
+    def run(self, h, batch, reference, max_new):
+        out = super().run(h, batch, reference, max_new)
+        out.rows[0][-1] = (out.rows[0][-1] + 1) % 96
+        return out
+
+
+def test_planted_mismatch_is_reported_loudly(model, capsys, tmp_path):
+    registry = {**bench.METHODS, "perturbed": Perturbed("hf-greedy with its last token changed")}
+    res = _run(model, registry, methods=("hf-greedy", "perturbed", "selfspec-untrained"))
+    bad = [r for r in res.records if r.method == "perturbed"]
+    assert bad and all(r.exact is False and r.mismatches and r.outputs for r in bad)
+    assert {m["method"] for m in res.mismatches} == {"perturbed"}
+    assert res.summary["overall"]["perturbed"]["exact"] == 0
+    assert res.summary["overall"]["selfspec-untrained"]["exact"] == 4  # the negative control stays clean
+    assert "MISMATCH: perturbed differs from hf-greedy" in capsys.readouterr().err
+    cfg = bench.BenchConfig(**SMALL)
+    paths = bench.write_outputs(res, _meta(cfg), tmp_path)
+    text = paths["md"].read_text()
+    assert "EXACTNESS: 4 MISMATCH(ES)" in text and "**0/4 MISMATCH**" in text
+    assert json.loads(paths["json"].read_text())["mismatches"][0]["method"] == "perturbed"
+
+
+def test_outputs_written(result, tmp_path):
+    cfg = bench.BenchConfig(**SMALL)
+    paths = bench.write_outputs(result, _meta(cfg), tmp_path / "out")
+    data = json.loads(paths["json"].read_text())
+    assert {"meta", "setup", "summary", "records", "mismatches"} <= set(data)
+    assert data["meta"]["machine"]["cores"] >= 1 and data["meta"]["versions"]["torch"] == torch.__version__
+    assert len(data["records"]) == 4 * len(result.names)
+    assert data["records"][0]["outputs"]  # the baseline's tokens are kept
+    md = paths["md"].read_text()
+    assert "## overall (4 prompts)" in md and "## qa (2 prompts)" in md and "| oracle |" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batched_run_skips_hf_assisted_and_stays_exact(model):
+    ids, mask = padded_batch(seed=3)
+    work = bench.Workload([bench.Batch("qa", ["a", "b", "c"], ids, mask)], _batch("w", 1), [])
+    res = _run(model, workload=work, batch_size=3)
+    assert set(res.setup["skipped_methods"]) == {"hf-early-exit", "hf-prompt-lookup"}
+    assert not res.mismatches and all(r.exact for r in res.records)
+    assert res.summary["overall"]["oracle"]["acceptance"] == 1.0
+
+
+def test_oracle_drafter_exact_and_acceptance_depends_on_its_proposals(model):
+    ids, mask = padded_batch(seed=4)
+    gen = dict(max_new_tokens=14, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, attention_mask=mask, **gen)
+    rows = [bench.trim_at_eos(r, {EOS}) for r in ref[:, ids.shape[1]:].tolist()]
+    wrong = [[(t + 1) % 96 for t in r] for r in rows]  # negative control: every proposal false
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=5)
+    try:
+        for targets, rate in ((rows, 1.0), (wrong, 0.0)):
+            model.selfspec.drafter_override = OracleDrafter.from_rows(targets)
+            assert torch.equal(model.generate(ids, attention_mask=mask, **gen), ref)
+            assert model.selfspec.last_stats.acceptance_rate == rate
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_oracle_needs_a_reference(model):
+    selfspec.wrap(model, drafter="oracle", exit_layer=2)
+    try:
+        with pytest.raises(ValueError, match="drafter_override"):
+            model.generate(prompt(seed=1), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_sampling_mode_reports_speed_not_exactness(model):
+    res = _run(model, methods=("hf-greedy", "selfspec-untrained", "oracle"), sample=True, temperature=0.8)
+    assert all(r.exact is None for r in res.records)
+    assert res.summary["overall"]["selfspec-untrained"]["exact"] is None
+    assert "n/a" in bench.markdown_table(res.summary["overall"])
+
+
+def test_bad_input_gets_clear_errors(model):
+    with pytest.raises(ValueError, match="Unknown method.*available"):
+        _run(model, methods=("hf-greedy", "selfspec-magic"))
+    with pytest.raises(ValueError, match="training/calibration split"):
+        bench.check_categories(bench.BenchConfig(categories=("qa", "writing")))
+    with pytest.raises(ValueError, match="exit_layer=9 is out of range"):
+        _run(model, exit_layer=9)
+    assert bench.main(["--limit", "0"]) == 2
+
+
+def test_help_works(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--max-new-tokens" in text and "--methods" in text and "hf-prompt-lookup" in text
+    from selfspec.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "--help"])
+    assert exit_info.value.code == 0 and "usage: selfspec bench" in capsys.readouterr().out
+
+
+def _byte_tokenizer():
+    """A byte-level tokenizer with a chat template, built offline (260 tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                      eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return fast
+
+
+def test_cli_end_to_end_on_a_saved_model(tmp_path, capsys):
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=260, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=1024,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=EOS)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    _byte_tokenizer().save_pretrained(tmp_path / "model")
+    questions = [{"question_id": i, "category": c, "turns": [f"Question {i}: say something about {c}.", "again"]}
+                 for i, c in enumerate(["alpha", "alpha", "beta"])]
+    (tmp_path / "q.jsonl").write_text("\n".join(json.dumps(q) for q in questions) + "\n")
+    out = tmp_path / "results"
+    code = bench.main(["--model", str(tmp_path / "model"), "--prompts", str(tmp_path / "q.jsonl"),
+                       "--limit", "1", "--max-new-tokens", "8", "--exit-layer", "2", "--max-draft-tokens", "3",
+                       "--dtype", "float64", "--methods", "hf-greedy,selfspec-untrained", "oracle",
+                       "--output", str(out), "--warmup-tokens", "2"])
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["settings"]["max_new_tokens"] == 8
+    assert [r["question_ids"] for r in data["records"] if r["method"] == "oracle"] == [[0], [2]]
+    assert all(r["exact"] for r in data["records"])
+    assert (out / "speedup.png").is_file() and "## alpha (1 prompts)" in (out / "results.md").read_text()
+    assert "| selfspec-untrained |" in capsys.readouterr().out
