@@ -185,7 +185,7 @@ def _record(state, counts, logits):
         if not c:
             continue
         start = int(state.seq_len[b])
-        if streamer is not None and state.batch == 1:
+        if streamer is not None:  # batch 1 only, like HF (its streamers raise on the prompt put otherwise)
             streamer.put(state.seq[b, start : start + c].cpu())
         if state.settings.output_scores:
             state.scores[b].extend(logits[b, :c].unbind(0))
@@ -208,41 +208,51 @@ def speculative_decode(ctx: StepContext, drafter: Drafter, input_ids, attention_
     state = DecodeState(ctx, input_ids, attention_mask, settings)
     if settings.streamer is not None:
         settings.streamer.put(input_ids.cpu())
+    try:
+        _decode_steps(ctx, drafter, state, settings, stats)
+    finally:
+        if settings.streamer is not None:  # a consumer thread must see the end, even after an error
+            settings.streamer.end()
+    return _sequences(state), state, stats
+
+
+def _decode_steps(ctx, drafter, state, settings, stats) -> None:
+    """Prefill, then draft -> verify -> emit -> rollback until every row has finished."""
     t0 = time.perf_counter()
     logits = prefill(state, settings.exit_layer)
     first = sample(logits_to_probs(logits[:, 0])) if state.do_sample else logits[:, 0].argmax(-1)
-    no_draft = Draft.empty(state.batch, state.device)
-    counts = emit(state, no_draft, torch.zeros_like(first), first, logits)
+    counts = emit(state, Draft.empty(state.batch, state.device), torch.zeros_like(first), first, logits)
     rollback_noop(state, first)
     drafter.begin(state)
     _sync(state.device)
     stats.prefill_seconds = time.perf_counter() - t0
     stats.new_tokens, stats.verify_steps = sum(counts), state.batch
     while not bool(state.finished.all()):
-        live = int((~state.finished).sum())
-        remaining = int((settings.max_length - state.seq_len).masked_fill(state.finished, 0).max())
-        k = max(0, min(settings.max_draft_tokens, remaining - 1))
-        base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)
-        t0 = time.perf_counter()
-        draft = drafter.propose(state, k)
-        _sync(state.device)
-        t1 = time.perf_counter()
-        logits = verify(state, draft, settings.exit_layer)
-        n, token = choose(state, draft, logits)
-        unfinished = ~state.finished
-        counts = emit(state, draft, n, token, logits)
-        rollback(state, draft, n, token, base)
-        drafter.accepted(state, draft, n)
-        _sync(state.device)
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += time.perf_counter() - t1
-        stats.verify_steps += live
-        stats.new_tokens += sum(counts)
-        stats.drafted_tokens += int(draft.draft_len[unfinished].sum())
-        stats.accepted_tokens += sum(min(a, c) for a, c in zip(n.tolist(), counts))
-    if settings.streamer is not None:
-        settings.streamer.end()
-    return _sequences(state), state, stats
+        _speculative_step(ctx, drafter, state, settings, stats)
+
+
+def _speculative_step(ctx, drafter, state, settings, stats) -> None:
+    """One draft -> verify -> emit -> rollback round over the whole batch, with its stats."""
+    live = ~state.finished
+    remaining = int((settings.max_length - state.seq_len).masked_fill(state.finished, 0).max())
+    k = max(0, min(settings.max_draft_tokens, remaining - 1))  # the verifier adds one token of its own
+    base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)  # the verified prefix
+    t0 = time.perf_counter()
+    draft = drafter.propose(state, k)
+    _sync(state.device)
+    t1 = time.perf_counter()
+    logits = verify(state, draft, settings.exit_layer)
+    n, token = choose(state, draft, logits)
+    counts = emit(state, draft, n, token, logits)
+    rollback(state, draft, n, token, base)
+    drafter.accepted(state, draft, n)
+    _sync(state.device)
+    stats.draft_seconds += t1 - t0
+    stats.verify_seconds += time.perf_counter() - t1
+    stats.verify_steps += int(live.sum())
+    stats.new_tokens += sum(counts)
+    stats.drafted_tokens += int(draft.draft_len[live].sum())
+    stats.accepted_tokens += sum(min(a, c) for a, c in zip(n.tolist(), counts))
 
 
 def rollback_noop(state: DecodeState, first: torch.Tensor) -> None:

@@ -208,7 +208,7 @@ def test_pipeline_strings_chats_batches(model, tok, caplog):
         return ([o[0]["generated_text"] for o in pipe(prompts, **kw)],
                 [o[0]["generated_text"][-1]["content"] for o in pipe(chats, **kw)],
                 [o[0]["generated_text"] for o in pipe(prompts, batch_size=3, **kw)],
-                pipe(prompts[0], generate_kwargs=dict(max_new_tokens=6, do_sample=False))[0]["generated_text"])
+                pipe(prompts[0], max_new_tokens=6, do_sample=False, repetition_penalty=1.2)[0]["generated_text"])
 
     with caplog.at_level(logging.ERROR):
         plain, wrapped = both(model, run)
