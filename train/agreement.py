@@ -54,26 +54,27 @@ def shard_stats(model, t: dict, layers: list[int], chunk: int) -> dict:
     sampled = t["seq_chain"][seq_id[rows]] > 0
     norm, head = model.model.norm, model.get_output_embeddings()
     teacher = t["teacher_top1"][rows].long()
-    h_fin = t["hidden.final"][rows]
+    n = rows.numel()
+    top1 = {e: torch.empty(n, dtype=torch.bool) for e in layers}
+    top5 = {e: torch.empty(n, dtype=torch.bool) for e in layers}
+    acc = {e: torch.empty(n, dtype=torch.float32) for e in layers}
+    for s in range(0, n, chunk):
+        sl = slice(s, s + chunk)
+        r = rows[sl]
+        p = head(t["hidden.final"][r].float()).float().softmax(-1)  # full model, once per chunk
+        for e in layers:
+            q = head(norm(t[f"hidden.{e}"][r].float())).float()
+            top1[e][sl] = q.argmax(-1) == teacher[sl]
+            top5[e][sl] = (q.topk(5, dim=-1).indices == teacher[sl, None]).any(-1)
+            acc[e][sl] = torch.minimum(q.softmax(-1), p).sum(-1)
     out = {}
     for e in layers:
-        h = t[f"hidden.{e}"][rows]
-        top1 = torch.empty(rows.numel(), dtype=torch.bool)
-        top5 = torch.empty(rows.numel(), dtype=torch.bool)
-        acc = torch.empty(rows.numel(), dtype=torch.float32)
-        for s in range(0, rows.numel(), chunk):
-            sl = slice(s, s + chunk)
-            q = head(norm(h[sl].float())).float()
-            p = head(h_fin[sl].float()).float()
-            top1[sl] = q.argmax(-1) == teacher[sl]
-            top5[sl] = (q.topk(5, dim=-1).indices == teacher[sl, None]).any(-1)
-            acc[sl] = torch.minimum(q.softmax(-1), p.softmax(-1)).sum(-1)
         # runs are measured over consecutive kept rows of the same sequence
-        run = _runs(top1, seq_id[rows]).float()
+        run = _runs(top1[e], seq_id[rows]).float()
         out[e] = {}
         for split, m in (("all", torch.ones_like(sampled)), ("greedy", ~sampled), ("sampled", sampled)):
-            out[e][split] = {"n": int(m.sum()), "top1": float(top1[m].sum()), "top5": float(top5[m].sum()),
-                             "accept": float(acc[m].sum()), "run": float(run[m].sum())}
+            out[e][split] = {"n": int(m.sum()), "top1": float(top1[e][m].sum()), "top5": float(top5[e][m].sum()),
+                             "accept": float(acc[e][m].sum()), "run": float(run[m].sum())}
     return out
 
 
