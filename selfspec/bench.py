@@ -345,8 +345,9 @@ def _num_layers(model) -> int:
 def load_selfspec_setup(model, cfg: BenchConfig):
     """(config, heads {E: head}, where they came from) for the `selfspec` method; CLI overrides applied."""
     import selfspec
+    from .pretrained import shipped_dir  # selfspec/assets/<model>/ when the package ships heads for it
 
-    directory = cfg.heads or shipped_setup_dir(cfg.model)
+    directory = cfg.heads or shipped_dir(str(cfg.model))
     heads, source = {}, "none found: selfspec == selfspec-untrained (pass --heads DIR)"
     config = SelfSpecConfig()
     if directory is not None:
@@ -363,12 +364,6 @@ def load_selfspec_setup(model, cfg: BenchConfig):
     overrides = {k: v for k, v in (("exit_layer", cfg.exit_layer), ("max_draft_tokens", cfg.max_draft_tokens))
                  if v is not None}
     return config.replace(**overrides).validate(_num_layers(model)), heads, source
-
-
-def shipped_setup_dir(model_name: str) -> Path | None:
-    """`selfspec/assets/<model>/` when the package ships trained heads + calibrated config for this model."""
-    candidate = Path(__file__).parent / "assets" / Path(str(model_name)).name
-    return candidate if (candidate / "selfspec_config.json").is_file() else None
 
 
 def hf_exit_candidates(cfg: BenchConfig, num_layers: int, selfspec_exit: int) -> list[int]:

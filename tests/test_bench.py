@@ -147,6 +147,24 @@ def test_oracle_needs_a_reference(model):
         selfspec.unwrap(model)
 
 
+def test_heads_dir_feeds_the_selfspec_method(model, tmp_path):
+    from selfspec.heads import MLPHead
+
+    torch.manual_seed(0)
+    head = MLPHead(3, 32)
+    torch.nn.init.normal_(head.down.weight, std=1.0)  # far from the plain exit, so its drafts differ
+    selfspec.wrap(model, exit_layer=3, max_draft_tokens=3)
+    model.selfspec.add_head(head)
+    model.selfspec.save_pretrained(str(tmp_path / "heads"))
+    selfspec.unwrap(model)
+    res = _run(model, methods=("hf-greedy", "selfspec-untrained", "selfspec"), heads=str(tmp_path / "heads"),
+               exit_layer=None, max_draft_tokens=None)
+    assert res.setup["heads"] == [3] and res.setup["selfspec_config"]["exit_layer"] == 3
+    assert not res.mismatches  # a bad head costs speed, never tokens
+    drafted = {n: [(r.drafted, r.accepted) for r in res.records if r.method == n] for n in res.names}
+    assert drafted["selfspec"] != drafted["selfspec-untrained"]
+
+
 def test_sampling_mode_reports_speed_not_exactness(model):
     res = _run(model, methods=("hf-greedy", "selfspec-untrained", "oracle"), sample=True, temperature=0.8)
     assert all(r.exact is None for r in res.records)
