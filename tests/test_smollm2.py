@@ -8,13 +8,13 @@ import selfspec
 from selfspec.prompts import chat_input_ids, load_prompts
 
 pytestmark = pytest.mark.slow
-NEW = 64
+NEW = 48
 
 
 @pytest.fixture(scope="module")
 def prompts(smollm2):
     _, tok = smollm2
-    chosen = load_prompts(categories=["translation", "qa", "math_reasoning"], limit_per_category=1)
+    chosen = load_prompts(categories=["translation", "qa"], limit_per_category=1)
     return [chat_input_ids(tok, p.text) for p in chosen]
 
 
