@@ -1,0 +1,320 @@
+"""The n-gram, draft-model and hybrid drafters: the lookup itself, greedy identity with the unwrapped model
+(single rows and padded batches, several K), sampling exactness against the exact marginals of the target with a
+negative control, and the draft model's vocabulary check."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from transformers.generation import logits_process as lp
+
+import selfspec
+import selfspec.decoding
+from conftest import make_model
+from distribution import chi_square_pvalue, exact_marginals
+from selfspec.drafters import build_drafter
+from selfspec.drafters.ngram import suffix_match
+from selfspec.sampling import sample
+
+GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+LAYERS = 4
+
+
+# --- the lookup on hand-made sequences --------------------------------------------------------------------------
+
+def _match(row, n_max=3, n_min=1):
+    text = torch.tensor([row])
+    match, end = suffix_match(text, torch.tensor([len(row) - 1]), n_max, n_min)
+    return int(match), int(end)
+
+
+def test_suffix_match_longest_then_most_recent():
+    assert _match([5, 6, 7, 9, 6, 7, 8, 6, 7]) == (2, 5)  # "6 7" twice: the later one, ending at index 5
+    assert _match([1, 6, 7, 2, 6, 7, 3, 9, 7]) == (1, 5)  # only "7" recurs: its most recent occurrence
+    assert _match([1, 2, 3, 4]) == (0, 0)  # nothing recurs
+    assert _match([4, 4, 4, 4], n_max=3) == (3, 2)  # overlapping occurrences count
+    assert _match([1, 6, 2, 3, 6], n_max=3, n_min=2) == (0, 0)  # a 1-gram match is below n_min
+
+
+def test_suffix_match_ignores_padding():
+    pad = -1  # what NgramDrafter puts where the prompt is padded
+    text = torch.tensor([[pad, pad, 4, 5, 4], [7, 4, 5, 9, 4]])
+    match, end = suffix_match(text, torch.tensor([4, 4]), 3, 1)
+    assert match.tolist() == [1, 1] and end.tolist() == [2, 1]
+
+
+def _lookup(seq, prompt_len, mask=None, k=3, eos=(2,), finished=None):
+    """NgramDrafter.lookup on a stand-in state holding just what it reads."""
+    from types import SimpleNamespace
+
+    from selfspec.drafters.ngram import NgramDrafter
+
+    seq = torch.tensor(seq)
+    eos_t = torch.tensor(eos)
+    state = SimpleNamespace(
+        seq=seq, seq_len=torch.full((seq.shape[0],), seq.shape[1]), mask=mask, prompt_len=prompt_len,
+        finished=torch.zeros(seq.shape[0], dtype=torch.bool) if finished is None else torch.tensor(finished),
+        is_eos=lambda t: torch.isin(t, eos_t))
+    drafter = NgramDrafter(3, 1)
+    drafter.begin(state)
+    return drafter.lookup(state, k)
+
+
+def test_lookup_continuation_eos_and_finished_rows():
+    found = _lookup([[9, 3, 4, 5, 6, 3, 4], [9, 3, 4, 2, 8, 3, 4]], prompt_len=7, finished=[False, False])
+    assert found.match.tolist() == [2, 2]
+    assert found.tokens[0].tolist() == [5, 6, 3] and found.length[0] == 3
+    assert found.tokens[1, :2].tolist() == [2, 8] and found.length[1] == 1  # nothing drafted past EOS (2)
+    done = _lookup([[9, 3, 4, 5, 6, 3, 4]], prompt_len=7, finished=[True])
+    assert done.length.tolist() == [0]
+
+
+def test_lookup_never_matches_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    found = _lookup([[0, 0, 7, 8, 0]], prompt_len=5, mask=mask)  # the final 0 is a real token, the first two pad
+    assert found.length.tolist() == [0]
+    assert not bool((found.tokens < 0).any())  # unused columns hold real tokens, they still go to the verifier
+
+
+# --- greedy identity ------------------------------------------------------------------------------------------
+
+def _repetitive_prompt(seed=0, period=5, length=14, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    unit = torch.randint(3, vocab, (period,), generator=g)
+    return unit.repeat(length // period + 1)[:length][None, :]
+
+
+def _repetitive_batch(seed=0, lengths=(14, 6, 11)):
+    """Left-padded (3, T) batch: rows repeat a short random unit (rows 0 and 2) or not (row 1)."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        period = 4 + row if row != 1 else n
+        ids[row, width - n:] = _repetitive_prompt(seed + row, period, n)[0]
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def _truncated_copy(model, layers):
+    """A separate draft model: the target's first `layers` layers, embeddings and LM head (its own weights)."""
+    draft = copy.deepcopy(model)
+    base = draft.transformer if hasattr(draft, "transformer") else draft.model
+    name = "h" if hasattr(base, "h") else "layers"
+    setattr(base, name, getattr(base, name)[:layers])
+    draft.config.num_hidden_layers = layers
+    if hasattr(draft.config, "n_layer"):
+        draft.config.n_layer = layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:layers]
+    return draft
+
+
+def _speculative(model, ids, mask, drafter, **cfg):
+    """Generate with `drafter` ("ngram", "hybrid" or a draft model); returns (output, stats, drafter used)."""
+    selfspec.wrap(model, drafter=drafter, **cfg)
+    try:
+        engine = model.selfspec
+        used = engine.drafter_override = build_drafter(engine)
+        out = model.generate(ids, attention_mask=mask, **GEN)
+        return out, engine.last_stats, used
+    finally:
+        selfspec.unwrap(model)
+
+
+def _drafter_for(name, model):
+    return _truncated_copy(model, 2) if name == "model" else name
+
+
+@pytest.mark.parametrize("name", ["ngram", "hybrid", "model"])
+def test_greedy_identity_single_row(name):
+    model = make_model("llama", LAYERS)
+    ids = _repetitive_prompt(seed=2)
+    ref = model.generate(ids, **GEN)
+    drafter = _drafter_for(name, model)
+    accepted = 0
+    for k in (1, 3, 6):
+        out, stats, _ = _speculative(model, ids, None, drafter, exit_layer=2, max_draft_tokens=k)
+        assert torch.equal(out, ref), (name, k)
+        assert stats.new_tokens == ref.shape[1] - ids.shape[1]
+        accepted += stats.accepted_tokens
+    assert accepted > 0  # drafts were actually accepted, not just rejected
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "gemma2"])
+@pytest.mark.parametrize("name", ["ngram", "hybrid", "model"])
+def test_greedy_identity_padded_batch(family, name):
+    model = make_model(family, LAYERS)
+    ids, mask = _repetitive_batch(seed=2)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    if family == "gemma2":  # HF's padded Gemma 2 batch differs from its single rows; compare per row
+        ref = _per_row(model, ids, mask)
+    drafter = _drafter_for(name, model)
+    accepted = 0
+    for k in (2, 5):
+        out, stats, _ = _speculative(model, ids, mask, drafter, exit_layer=2, max_draft_tokens=k)
+        assert torch.equal(out if family != "gemma2" else _right_pad(out, ids.shape[1]), ref), (family, name, k)
+        accepted += stats.accepted_tokens
+    assert accepted > 0
+
+
+def _right_pad(out, prompt_len):
+    new = out[:, prompt_len:]
+    return torch.nn.functional.pad(new, (0, GEN["max_new_tokens"] - new.shape[1]), value=GEN["pad_token_id"])
+
+
+def _per_row(model, ids, mask):
+    rows = [ids[r: r + 1, mask[r].bool()] for r in range(ids.shape[0])]
+    return torch.stack([_right_pad(model.generate(row, **GEN), row.shape[1])[0] for row in rows])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_draft_model_copy_of_target_accepts_everything(family):
+    """A draft model equal to the target proposes exactly the target's tokens only if its own cache holds exactly
+    the verified prefix every step (catch-up, rollback, holes of a padded batch): acceptance must be 100%."""
+    model = make_model(family, LAYERS)
+    ids, mask = _repetitive_batch(seed=2)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    for k in (1, 3, 6):
+        out, stats, _ = _speculative(model, ids, mask, copy.deepcopy(model), exit_layer=2, max_draft_tokens=k)
+        assert torch.equal(out, ref), k
+        assert stats.acceptance_rate == 1.0, (k, stats)
+        assert stats.mean_accepted_tokens > min(k + 1, 3) - 0.5, (k, stats)
+
+
+def test_draft_model_of_another_family():
+    """Any causal LM with the same vocabulary drafts: a GPT-2 (absolute positions) for a Qwen2 target."""
+    target = make_model("qwen2", LAYERS)
+    draft = make_model("gpt2", 2, seed=5)
+    ids, mask = _repetitive_batch(seed=3)
+    ref = target.generate(ids, attention_mask=mask, **GEN)
+    for k in (2, 5):
+        out, _, _ = _speculative(target, ids, mask, draft, exit_layer=2, max_draft_tokens=k)
+        assert torch.equal(out, ref), k
+
+
+def test_draft_model_with_eos_and_max_length():
+    """Rows stop at EOS at different steps; the draft model's cache keeps up with the survivors."""
+    model = make_model("llama", LAYERS, seed=7)
+    ids, mask = _repetitive_batch(seed=6)
+    plain = model.generate(ids, attention_mask=mask, **GEN)
+    kw = dict(GEN, eos_token_id=[int(plain[0, -12]), int(plain[2, -6])])
+    ref = model.generate(ids, attention_mask=mask, **kw)
+    for drafter in (_truncated_copy(model, 2), "ngram", "hybrid"):
+        selfspec.wrap(model, drafter=drafter, exit_layer=2, max_draft_tokens=4)
+        try:
+            assert torch.equal(model.generate(ids, attention_mask=mask, **kw), ref), drafter
+        finally:
+            selfspec.unwrap(model)
+
+
+def test_hybrid_takes_every_path():
+    """Across one padded batch the hybrid drafts whole steps by n-gram, whole steps by early exit, and mixed steps
+    where n-gram rows are teacher-forced through the early-exit pass; the output stays identical."""
+    model = make_model("llama", LAYERS)
+    ids, mask = _repetitive_batch(seed=2)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    steps = {}
+    for extend in (True, False):
+        for k in (2, 6):
+            out, _, used = _speculative(model, ids, mask, "hybrid", exit_layer=2, max_draft_tokens=k,
+                                        hybrid_extend=extend, hybrid_min_match=2)
+            assert torch.equal(out, ref), (extend, k)
+            for path, count in used.steps.items():
+                steps[path] = steps.get(path, 0) + count
+    assert all(steps.get(p, 0) > 0 for p in ("ngram", "early_exit", "mixed")), steps
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+
+def test_draft_model_vocabulary_mismatch_is_named():
+    model = make_model("llama", LAYERS)
+    other = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=2)).double()
+    selfspec.wrap(model, drafter=other, exit_layer=2)
+    try:
+        with pytest.raises(ValueError, match="vocabulary.*LM head rows differ: target 96, draft 50"):
+            model.generate(_repetitive_prompt(), **GEN)
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_model_drafter_without_a_model_says_how():
+    model = make_model("llama", LAYERS)
+    selfspec.wrap(model, drafter="model", exit_layer=2)
+    try:
+        with pytest.raises(ValueError, match="needs a draft model"):
+            model.generate(_repetitive_prompt(), **GEN)
+    finally:
+        selfspec.unwrap(model)
+
+
+# --- sampling exactness ---------------------------------------------------------------------------------------
+
+VOCAB, ROWS, STEPS = 10, 6000, 3
+ALPHA = 1e-4
+SAMPLE = dict(do_sample=True, temperature=0.9, top_k=8, max_new_tokens=STEPS, pad_token_id=0)
+PROCESSORS = lp.LogitsProcessorList([lp.TemperatureLogitsWarper(0.9), lp.TopKLogitsWarper(8)])
+PROMPT = torch.tensor([[3, 7, 5, 3, 7, 5, 3, 7]])  # repeats, so that n-gram drafts are made
+
+
+def _tiny(seed, layers=3):
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = tf.LlamaForCausalLM(cfg).double().eval()
+    with torch.no_grad():  # sharper than uniform, so that distributions differ detectably
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target_and_exact():
+    model = _tiny(11)
+    return model, exact_marginals(model, PROMPT, STEPS, PROCESSORS)
+
+
+def _accept_everything(state, draft, logits):
+    """Planted bug: keep every draft, then a token from p after them (ignores p and q)."""
+    n = draft.draft_len
+    probs = torch.softmax(logits, dim=-1)
+    return n, sample(probs[torch.arange(n.shape[0]), n])
+
+
+SAMPLING_CASES = {
+    "ngram": dict(drafter="ngram", exit_layer=1, max_draft_tokens=2),
+    "hybrid": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, hybrid_min_match=2),
+    "model": dict(exit_layer=1, max_draft_tokens=2),  # drafter: a separate random model
+}
+
+
+def _sampled_pvalues(target_and_exact, case):
+    model, exact = target_and_exact
+    cfg = dict(SAMPLING_CASES[case])
+    cfg.setdefault("drafter", _tiny(23, layers=1))
+    selfspec.wrap(model, **cfg)
+    try:
+        torch.manual_seed(1234)
+        out = model.generate(PROMPT.repeat(ROWS, 1), **SAMPLE)[:, PROMPT.shape[1]:]
+        stats = model.selfspec.last_stats
+    finally:
+        selfspec.unwrap(model)
+    return [chi_square_pvalue(out[:, t], exact[t]) for t in range(STEPS)], stats
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampling_matches_target(target_and_exact, case):
+    pvalues, stats = _sampled_pvalues(target_and_exact, case)
+    assert 0.05 < stats.acceptance_rate < 0.95, stats  # accept and resample paths are both exercised
+    assert stats.drafted_tokens > ROWS // 5, stats  # a fair share of rows drafted (n-gram: those with a match)
+    assert min(pvalues) > ALPHA, pvalues
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampling_negative_control_fails(target_and_exact, case, monkeypatch):
+    monkeypatch.setattr(selfspec.decoding, "choose", _accept_everything)
+    pvalues, _ = _sampled_pvalues(target_and_exact, case)
+    assert min(pvalues[1:]) < ALPHA, pvalues  # the drafted positions are off
