@@ -44,7 +44,10 @@ class SelfSpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 1:
             raise ValueError(f"hybrid_min_match must be an integer >= 1, got {self.hybrid_min_match!r}.")
-        if num_layers is not None and not 1 <= self.exit_layer <= num_layers - 1:
+        # drafters that never run the early layers on their own (ngram, model, oracle, none) only use exit_layer
+        # as the split of the verify pass, which any layer serves: the engine clamps it for them
+        uses_exit = self.drafter in ("early_exit", "hybrid")
+        if num_layers is not None and uses_exit and not 1 <= self.exit_layer <= num_layers - 1:
             raise ValueError(
                 f"exit_layer={self.exit_layer} is out of range for a model with {num_layers} decoder layers: "
                 f"choose 1 <= exit_layer <= {num_layers - 1} (layers [0, exit_layer) draft, the rest verify)."

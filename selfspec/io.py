@@ -57,7 +57,7 @@ def save_engine(engine, directory: str) -> str:
         specs.append(head.spec())
         for name, value in head.state_dict().items():
             if value is not None:
-                tensors[f"layer{layer}.{name}"] = value.detach().to("cpu").contiguous()
+                tensors[f"layer{layer}.{name}"] = value.detach().to("cpu").clone()  # heads may share vocab_ids
     if tensors:
         save_file(tensors, os.path.join(directory, HEADS_FILE), metadata={"format": "selfspec-heads"})
     extra = {"base_model": model_identity(engine.adapter), "base_model_path": _base_path(engine.model),
@@ -74,9 +74,10 @@ def load_heads(directory: str, adapter) -> list[ExitHead]:
     if not specs:
         return []
     path = os.path.join(directory, HEADS_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{directory!r} lists {len(specs)} heads but has no {HEADS_FILE}.")
-    tensors = load_file(path)
+    weighted = [s for s in specs if s.get("kind", "norm") != "norm" or s.get("draft_vocab_size")]
+    if weighted and not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory!r} lists {len(weighted)} heads with weights but has no {HEADS_FILE}.")
+    tensors = load_file(path) if os.path.isfile(path) else {}
     heads = []
     for spec in specs:
         head = build_head(spec, adapter)

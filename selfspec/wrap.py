@@ -41,7 +41,10 @@ class SelfSpecEngine:
         if not 1 <= head.exit_layer <= self.adapter.num_layers - 1:
             raise ValueError(f"head exit_layer {head.exit_layer} outside [1, {self.adapter.num_layers - 1}].")
         device = self.adapter.device_of_layer(head.exit_layer - 1)
-        self.heads[head.exit_layer] = head.to(device).eval()
+        # heads compute in the LM head's dtype (a bf16 checkpoint runs in fp32 on an fp32 model)
+        dtype = self.adapter.lm_head.weight.dtype
+        head = head.to(device=device, dtype=dtype) if dtype.is_floating_point else head.to(device)
+        self.heads[head.exit_layer] = head.eval()
 
     def build_drafter(self) -> Drafter:
         """`drafter_override` (a Drafter set by code, e.g. the benchmark's oracle) wins over config.drafter."""
@@ -54,7 +57,7 @@ class SelfSpecEngine:
     def decode(self, input_ids: torch.Tensor, attention_mask, settings: DecodeSettings):
         """Run speculative decoding; returns (sequences, state) and sets `last_stats`."""
         settings.max_draft_tokens = self.config.max_draft_tokens
-        settings.exit_layer = self.config.exit_layer
+        settings.exit_layer = max(1, min(self.config.exit_layer, self.adapter.num_layers - 1))
         drafter = self.build_drafter()
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))
