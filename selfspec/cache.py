@@ -90,6 +90,7 @@ class SpecLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._k is not None:
+            indices = indices.to(self._k.device)  # under a device map each layer's KV sits on its layer's device
             self._k, self._v = self._k[indices], self._v[indices]
             self._refresh_views()
 

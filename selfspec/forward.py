@@ -22,6 +22,10 @@ class StepContext:
     cache: SpecCache
     slots: SlotTable
 
+    def __post_init__(self):
+        # the slot table lives with the token ids; logits return there from wherever the LM head runs
+        self.adapter.home = self.slots.pos.device
+
 
 @dataclass
 class EarlyResult:

@@ -6,7 +6,9 @@ changes nothing here. Each family overrides the few methods where it differs.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
 
 import torch
 from torch import nn
@@ -32,6 +34,9 @@ class ArchAdapter:
                 f"attn_implementation='sdpa'."
             )
         self.attn_impl = impl
+        # Device of the token ids of the current decode call (set by forward.StepContext). Logits go back there:
+        # under an accelerate device map each module leaves its output on its own device.
+        self.home: torch.device | None = None
 
     # --- structure -------------------------------------------------------------------------------
     @property
@@ -82,14 +87,55 @@ class ArchAdapter:
     def logits(self, normed: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """LM head on final-normed states (B, T, H) -> (B, T, V), or only the rows `vocab_ids` -> (B, T, len)."""
         head = self.lm_head
-        if vocab_ids is None:
-            return head(normed)
-        weight = head.weight[vocab_ids]
-        bias = head.bias[vocab_ids] if getattr(head, "bias", None) is not None else None
-        return nn.functional.linear(normed, weight, bias)
+        out = head(normed) if vocab_ids is None else _head_rows(head, normed, vocab_ids)
+        return out if self.home is None else out.to(self.home)
 
     def device_of_layer(self, i: int) -> torch.device:
-        return next(self.layers[i].parameters()).device
+        """Where layer i computes (its exit head lives there too)."""
+        return execution_device(self.layers[i], f"decoder layer {i}")
+
+
+def execution_device(module: nn.Module, name: str) -> torch.device:
+    """The device a module computes on: its accelerate hook's execution device when dispatched with a
+    device_map (offloaded weights sit on 'meta' until the hook loads them), else where its weights are."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", (hook,)):  # a SequentialHook holds several
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    raise ValueError(
+        f"The weights of {name} are on the 'meta' device and no accelerate hook loads them, so it cannot run. "
+        f"Load the model with from_pretrained(..., device_map=...) (and offload_folder= for 'disk'), or "
+        f"materialise its weights before selfspec.wrap."
+    )
+
+
+def _head_rows(head: nn.Module, normed: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, len(vocab_ids)) from only those rows of the LM head's weight."""
+    with _weights_loaded(head):
+        weight = head.weight
+        if not weight.is_floating_point():
+            raise ValueError(
+                f"A draft-vocabulary head needs rows of the LM head's weight, but the LM head is quantized "
+                f"({type(head).__name__}, {weight.dtype}). Keep lm_head out of quantization (bitsandbytes does by "
+                f"default; check llm_int8_skip_modules) or use a head over the full vocabulary."
+            )
+        rows = vocab_ids.to(weight.device)
+        bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
+        return nn.functional.linear(normed.to(weight.device), weight[rows], bias)
+
+
+def _weights_loaded(module: nn.Module):
+    """Context in which an accelerate-offloaded module's weights are real tensors on its execution device."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None or not getattr(hook, "offload", False):
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
+
+    return align_module_device(module)
 
 
 def _accepts(fn, name: str) -> bool:

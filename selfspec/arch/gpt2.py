@@ -19,7 +19,9 @@ class GPT2Adapter(ArchAdapter):
         return "full_attention"
 
     def embed(self, input_ids, positions):
-        return self.base.wte(input_ids) + self.base.wpe(positions.clamp(min=0))
+        tokens = self.base.wte(input_ids)
+        # a device map may place the two embeddings apart
+        return tokens + self.base.wpe(positions.clamp(min=0)).to(tokens.device)
 
     def call_layer(self, i, hidden, mask, positions, rotary, cache):
         return self.layers[i](hidden, cache=cache, attention_mask=mask, use_cache=True, position_ids=positions)
