@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -51,17 +50,17 @@ class LayerAcceptance:
         return sum(flat) / len(flat) if flat else 0.0
 
     def position_profile(self, max_k: int) -> list[float]:
-        """P(draft j accepted | drafts 0..j-1 accepted), j = 0..max_k-1, from runs of agreement: the chance that
-        a block reaches one token further, given it got this far."""
-        reach = [0] * (max_k + 1)  # reach[j]: block starts whose first j drafts all agree
+        """P(draft j accepted | drafts 0..j-1 accepted), j = 0..max_k-1, over every block start: the chance that
+        a block reaches one token further, given it got this far (blocks cut by the text's end are not misses)."""
+        tried, passed = [0] * max_k, [0] * max_k
         for seq in self.agree:
             for start in range(1, len(seq)):
-                run = 0
-                while run < max_k and start + run < len(seq) and seq[start + run]:
-                    run += 1
-                for j in range(run + 1):
-                    reach[j] += 1
-        return [reach[j + 1] / reach[j] if reach[j] else 0.0 for j in range(max_k)]
+                for j in range(min(max_k, len(seq) - start)):
+                    tried[j] += 1
+                    if not seq[start + j]:
+                        break
+                    passed[j] += 1
+        return [p / t if t else 0.0 for p, t in zip(passed, tried)]
 
 
 def _head_drafts(engine, exit_layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +94,7 @@ def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]
 # --- timings --------------------------------------------------------------------------------------------------
 @dataclass
 class Timings:
-    """Seconds on this device, medians of repeats."""
+    """Seconds on this device, fastest of repeats."""
 
     num_layers: int
     layer: list[float]  # layer[T]: one decoder layer on T new tokens (index 0 unused)
@@ -121,7 +120,8 @@ def _sync(device: torch.device) -> None:
 
 
 def time_call(fn, device, repeats: int = 5) -> float:
-    """Median seconds of `fn()` after one warm-up call, synchronising the device around each call."""
+    """Fastest seconds of `fn()` over repeats after one warm-up call, synchronising the device around each call.
+    The minimum, not the median: on a shared machine other processes only ever add time."""
     fn()
     samples = []
     for _ in range(repeats):
@@ -130,7 +130,7 @@ def time_call(fn, device, repeats: int = 5) -> float:
         fn()
         _sync(device)
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _prefilled_context(adapter, prompt: torch.Tensor) -> StepContext:
@@ -196,14 +196,16 @@ def _time_prefill(adapter, prompt: torch.Tensor, repeats: int) -> float:
     return time_call(run, prompt.device, repeats)
 
 
-def fit_overheads(timings: Timings, none_step_seconds: float, early_draft_seconds: float) -> Timings:
-    """Loop costs the pieces miss, from two short engine runs: `none_step_seconds` is the engine's verify time
-    per step with no drafts (one token through all layers + LM head + loop), `early_draft_seconds` its draft
-    time per drafted token at exit layer 1 (one layer + head + loop)."""
+def fit_overheads(timings: Timings, none_step_seconds: float, draft_token_seconds: float | None = None,
+                  exit_layer: int | None = None) -> Timings:
+    """Loop costs the pieces miss, from short engine runs: `none_step_seconds` is the engine's verify time per
+    step with no drafts (one token through all layers + LM head + loop), `draft_token_seconds` its draft time
+    per drafted token at `exit_layer` (E layers + head + loop)."""
     base_step = timings.embed + timings.layers(timings.num_layers, 1) + timings.lm_head[1]
-    base_draft = timings.embed + timings.layers(1, 1) + timings.head.get(1, min(timings.head.values()))
     timings.step_overhead = max(0.0, none_step_seconds - base_step)
-    timings.draft_overhead = max(0.0, early_draft_seconds - base_draft)
+    if draft_token_seconds is not None:
+        base_draft = timings.embed + timings.layers(exit_layer, 1) + timings.head[exit_layer]
+        timings.draft_overhead = max(0.0, draft_token_seconds - base_draft)
     return timings
 
 
@@ -299,3 +301,57 @@ def plain_seconds(timings: Timings, new_tokens: int, sequences: int) -> float:
     """Predicted time of the engine without drafts: every token one full pass."""
     per_token = timings.embed + timings.layers(timings.num_layers, 1) + timings.lm_head[1] + timings.step_overhead
     return sum(timings.prefill) + (new_tokens - sequences) * per_token
+
+
+# --- prompt lookup (ngram drafter) ---------------------------------------------------------------------------
+def ngram_proposals(seq: Sequence, k_max: int, n_max: int, n_min: int, eos_ids: list[int]) -> list[torch.Tensor]:
+    """The ngram drafter's proposal (up to k_max tokens) at every answer position done = 1..N-1, computed with
+    its own lookup functions on prompt + answer[:done], which is exactly its text when all tokens so far are
+    the full model's. Shorter k give prefixes of these proposals."""
+    from .drafters.ngram import continuation, cut_after_eos, suffix_match
+
+    full = torch.cat([seq.prompt[0].cpu(), seq.answer.cpu()])
+    p = seq.prompt.shape[1]
+    eos = torch.tensor(eos_ids or [-1])
+    out = []
+    for done in range(1, seq.answer.numel()):
+        text = full[None, : p + done]
+        last = torch.tensor([p + done - 1])
+        match, end = suffix_match(text, last, n_max, n_min)
+        tokens, length = continuation(text, last, match, end, k_max)
+        length = cut_after_eos(tokens, length, lambda t: torch.isin(t, eos))
+        out.append(tokens[0, : int(length[0])])
+    return out
+
+
+def simulate_ngram(sequences: list[Sequence], proposals: list[list[torch.Tensor]], eos: list[list[bool]],
+                   k_max: int) -> Counts:
+    """Replay the greedy loop with prompt-lookup drafts: no draft passes, every verify input runs all layers."""
+    c = Counts()
+    for seq, props, is_eos in zip(sequences, proposals, eos):
+        answer, n = seq.answer.cpu(), seq.answer.numel()
+        c.new_tokens += n
+        c.prefills += 1
+        done = 1
+        while done < n:
+            k = min(k_max, n - done - (0 if is_eos[-1] else 1))
+            draft = props[done - 1][: max(k, 0)]
+            same = (draft == answer[done : done + draft.numel()]).tolist()
+            accepted = next((i for i, s in enumerate(same) if not s), len(same))
+            c.verify_width[draft.numel() + 1] = c.verify_width.get(draft.numel() + 1, 0) + 1
+            c.fresh_early += draft.numel() + 1
+            c.steps += 1
+            c.drafted += draft.numel()
+            c.accepted += accepted
+            done += accepted + 1
+    return c
+
+
+def predict_ngram(counts: Counts, timings: Timings, lookup_seconds: float) -> Prediction:
+    """Every step: lookup, then all layers over the pending token and the drafts."""
+    t = timings
+    verify = sum(steps * (t.embed + t.layers(t.num_layers, width) + t.lm_head[min(width, len(t.lm_head) - 1)])
+                 for width, steps in counts.verify_width.items())
+    seconds = sum(t.prefill) + verify + counts.steps * (t.step_overhead + lookup_seconds)
+    return Prediction(counts.new_tokens / seconds if seconds > 0 else 0.0, seconds,
+                      counts.mean_accepted_tokens, counts.acceptance_rate)

@@ -1,0 +1,186 @@
+"""The calibrator: its cost model replays the engine exactly, a planted optimum is found first, an interrupted
+study resumes, the written config reproduces plain greedy output, and bad spaces fail before any trial."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import selfspec
+from conftest import make_model, prompt
+from selfspec import cost_model
+from selfspec.calibrate import (REPO_ROOT, SearchSpec, calibrate, load_calibration_texts, load_search_spec,
+                                pick_prompts, resolve_space)
+from selfspec.drafters import DRAFTER_FACTORIES
+
+optuna = pytest.importorskip("optuna")
+
+GEN = dict(do_sample=False, pad_token_id=0)
+QUIET = dict(log=lambda line: None)
+
+
+def _prompts(count: int = 2, length: int = 8) -> list[torch.Tensor]:
+    return [prompt(seed=10 + s, length=length) for s in range(count)]
+
+
+def _spec(new_tokens: int = 12, **space) -> SearchSpec:
+    """A small, fast search: early exit only, short generations, one final round."""
+    return SearchSpec.from_dict({
+        "space": {"drafter": ["early_exit"], "max_draft_tokens": {"min": 1, "max": 4},
+                  "draft_confidence_threshold": {"min": 0.0, "max": 0.0}, **space},
+        "measure": {"max_new_tokens": new_tokens, "warmup_new_tokens": 2, "timing_repeats": 2},
+        "search": {"final_candidates": 2, "final_rounds": 1, "prune_below": 0.0},
+    })
+
+
+def _planted_model(layers: int, exit_layer: int):
+    """Layers [exit_layer, L) add nothing to the residual stream, so the plain exit at `exit_layer` agrees with
+    the full model on every token, and no earlier exit does (a non-agreeable random model)."""
+    model = make_model("llama", layers, seed=3, agreeable=False)
+    with torch.no_grad():
+        for layer in model.model.layers[exit_layer:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def _answers(model, prompts, new_tokens):
+    return [model.generate(p, max_new_tokens=new_tokens, **GEN)[0, p.shape[1]:] for p in prompts]
+
+
+# --- cost model ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("exit_layer,k,quantile", [(1, 4, None), (3, 2, None), (2, 6, 0.3), (4, 3, 0.6)])
+def test_replay_counts_what_the_engine_does(exit_layer, k, quantile):
+    """simulate() over teacher-forced agreement gives the engine's own steps, drafts and acceptances, with and
+    without a confidence threshold (set at a quantile of the head's confidences, so that it bites)."""
+    model = make_model("llama", 6)
+    prompts = _prompts(3)
+    answers = _answers(model, prompts, 20)
+    selfspec.wrap(model, exit_layer=exit_layer, max_draft_tokens=k)
+    seqs = [cost_model.Sequence(p, a) for p, a in zip(prompts, answers)]
+    acc = cost_model.measure_acceptance(model.selfspec, seqs, [exit_layer])[exit_layer]
+    confs = sorted(c for seq in acc.conf for c in seq)
+    threshold = 0.0 if quantile is None else confs[int(quantile * len(confs))]
+    model.selfspec.config = model.selfspec.config.replace(draft_confidence_threshold=threshold)
+    eos = [[t == 2 for t in a.tolist()] for a in answers]
+    counts = cost_model.simulate(acc, eos, k, threshold)
+    engine = dict(steps=0, drafted=0, accepted=0, new=0)
+    for p in prompts:
+        model.generate(p, max_new_tokens=20, **GEN)
+        s = model.selfspec.last_stats
+        engine = dict(steps=engine["steps"] + s.verify_steps, drafted=engine["drafted"] + s.drafted_tokens,
+                      accepted=engine["accepted"] + s.accepted_tokens, new=engine["new"] + s.new_tokens)
+    assert engine == dict(steps=counts.steps + counts.prefills, drafted=counts.drafted, accepted=counts.accepted,
+                          new=counts.new_tokens)
+    # the comparison can fail: drafts are accepted and rejected (or cut short by the threshold)
+    assert 0 < counts.accepted and (counts.accepted < counts.drafted or counts.drafted < counts.draft_passes)
+
+
+def test_acceptance_profile_sees_the_planted_layer():
+    model = _planted_model(6, exit_layer=3)
+    prompts = _prompts(2)
+    selfspec.wrap(model, exit_layer=1)
+    seqs = [cost_model.Sequence(p, a) for p, a in zip(prompts, _answers(model, prompts, 16))]
+    acc = cost_model.measure_acceptance(model.selfspec, seqs, [1, 2, 3, 5])
+    assert acc[3].agreement == 1.0 and acc[5].agreement == 1.0
+    assert acc[1].agreement < 0.9 and acc[2].agreement < 0.9  # negative control: earlier exits disagree
+    assert acc[3].position_profile(4) == [1.0] * 4
+
+
+# --- the study -----------------------------------------------------------------------------------------------
+def test_planted_optimum_is_found_first(tmp_path):
+    """With the exit at layer 2 perfect and earlier exits poor, the cheapest perfect setting is E=2 with the
+    longest drafts: the cost model enqueues it as trial 0 and the re-timed best is at E=2. (16 new tokens: 1 from
+    the prefill, then 3 steps of 5 with K=4 against 4 steps with K=3, so K=4 is the unique optimum.)"""
+    model = _planted_model(6, exit_layer=2)
+    result = calibrate(model, _prompts(2), _spec(new_tokens=16), output=str(tmp_path), trials=3, **QUIET)
+    first = result.report["trials"][0]
+    assert first["params"] == {"drafter": "early_exit", "max_draft_tokens": 4, "exit_layer": 2,
+                               "draft_confidence_threshold": 0.0}
+    assert first["acceptance_rate"] == 1.0
+    assert result.best.exit_layer == 2
+    assert result.report["all_outputs_match_plain"]
+    assert result.report["cost_model"]["acceptance_profile"]["2"]["agreement"] == 1.0
+
+
+def test_resume_adds_trials_to_the_same_study(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    model = make_model("llama", 4)
+    spec = _spec(max_draft_tokens={"min": 1, "max": 2}, exit_layer=[1, 2])
+    first = calibrate(model, _prompts(2), spec, storage=storage, study_name="s", trials=2, **QUIET)
+    second = calibrate(model, _prompts(2), spec, storage=storage, study_name="s", trials=2, **QUIET)
+    study = optuna.load_study(study_name="s", storage=storage)
+    measured = [t for t in study.trials if t.user_attrs.get("measured")]
+    assert first.report["counts"]["measured"] == 2 and second.report["counts"]["measured"] == 4
+    assert len(measured) == 4 and len({json.dumps(t.params, sort_keys=True) for t in measured}) == 4
+    assert study.user_attrs["identity"]["num_layers"] == 4
+    assert {"torch", "transformers", "selfspec"} <= set(study.user_attrs["environment"])
+    other = make_model("llama", 6)  # another model may not write into this study
+    with pytest.raises(ValueError, match="another setup"):
+        calibrate(other, _prompts(2), spec, storage=storage, study_name="s", trials=1, **QUIET)
+
+
+def test_written_config_loads_and_generates_like_plain(tmp_path):
+    model = make_model("llama", 4)
+    result = calibrate(model, _prompts(2), _spec(), output=str(tmp_path), trials=2, **QUIET)
+    assert os.path.isfile(tmp_path / "selfspec_config.json")
+    assert (tmp_path / "calibration_report.md").read_text().startswith("# Calibration")
+    fresh = make_model("llama", 4)  # same seed, same weights
+    ids = prompt(seed=99, length=9)
+    ref = fresh.generate(ids, max_new_tokens=24, **GEN)
+    selfspec.wrap(fresh, str(tmp_path))
+    loaded = fresh.selfspec.config
+    assert (loaded.exit_layer, loaded.max_draft_tokens, loaded.drafter) == \
+           (result.best.exit_layer, result.best.max_draft_tokens, result.best.drafter)
+    assert loaded.metadata["calibration"]["plain_tokens_per_s"] > 0
+    out = fresh.generate(ids, max_new_tokens=24, **GEN)
+    assert torch.equal(out, ref)
+    assert fresh.selfspec.last_stats.drafted_tokens > 0  # it really ran speculatively
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("space,message", [
+    ({"exit_layer": [2, 9]}, r"exit_layer includes \[9\].*1\.\.5"),
+    ({"exit_layer": {"min": 0, "max": 3}}, r"exit_layer includes \[0\]"),
+    ({"max_draft_tokens": {"min": 0, "max": 4}}, r"max_draft_tokens must be >= 1"),
+    ({"max_draft_tokens": [2, 0]}, r"max_draft_tokens must be >= 1"),
+    ({"draft_confidence_threshold": {"min": 0.5, "max": 1.5}}, r"draft_confidence_threshold needs"),
+    ({"drafter": ["early_exit", "magic"]}, r"space.drafter must list"),
+])
+def test_bad_space_fails_before_any_trial(tmp_path, space, message):
+    model = make_model("llama", 6)
+    with pytest.raises(ValueError, match=message):
+        calibrate(model, _prompts(1), _spec(**space), output=str(tmp_path / "out"), trials=1, **QUIET)
+    assert not (tmp_path / "out" / "study.db").exists()  # no study was opened, nothing was measured
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("space:\n  exit_layers: [1, 2]\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['exit_layers'\] in space"):
+        load_search_spec(path)
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "smollm2-135m.yaml"])
+def test_shipped_spaces_resolve_for_smollm2(name):
+    spec = load_search_spec(REPO_ROOT / "configs" / "search" / name)
+    space = resolve_space(spec, num_layers=30, head_layers=[], registered=DRAFTER_FACTORIES)
+    assert space.exit_layers == list(range(1, 30)) and space.max_draft_tokens[0] >= 1
+    assert space.drafters[0] == "early_exit"
+    assert resolve_space(spec, 30, [6, 12], DRAFTER_FACTORIES).exit_layers == [6, 12]  # heads only when trained
+
+
+# --- prompts -------------------------------------------------------------------------------------------------
+def test_prompt_files(tmp_path):
+    jsonl = tmp_path / "q.jsonl"
+    rows = [{"category": c, "turns": [f"{c} {i}", "second turn"]} for c in ("writing", "qa", "math") for i in (1, 2)]
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert load_calibration_texts(str(jsonl), 3) == ["writing 1", "math 1", "writing 2"]  # qa is evaluation
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    assert load_calibration_texts(str(text), 5) == ["first prompt", "second prompt"]
+    default = load_calibration_texts(None, 8)  # Spec-Bench train split: one per MT-bench category
+    assert len(default) == 8 and len(set(default)) == 8
+    assert pick_prompts([("a", "1"), ("a", "2"), ("b", "3")], 2) == ["1", "3"]
