@@ -182,6 +182,11 @@ def main(argv=None) -> int:
         vocab_ids = frequent_token_ids(train_rows["target_ids"], cfg.draft_vocab_size, stops).to(cfg.device)
         covered = torch.isin(held_rows["teacher_top1"].long(), vocab_ids.cpu()).float().mean()
         print(f"draft vocabulary {len(vocab_ids)} tokens covers {covered:.1%} of held-out teacher top-1")
+    # resuming: the draft vocabulary is the one the checkpoint was trained with (the data may have grown since)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+    state = torch.load(ckpt, map_location=cfg.device, weights_only=False) if os.path.isfile(ckpt) else None
+    if state is not None and vocab_ids is not None:
+        vocab_ids = next(iter(state["heads"].values()))["vocab_ids"].to(cfg.device)
     vocab_index = torch.full((adapter.vocab_size,), -1, dtype=torch.long, device=cfg.device)
     if vocab_ids is not None:
         vocab_index[vocab_ids] = torch.arange(len(vocab_ids), device=cfg.device)
@@ -196,10 +201,8 @@ def main(argv=None) -> int:
 
     # resume from the last checkpoint, if any
     os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
     start = 0
-    if os.path.isfile(ckpt):
-        state = torch.load(ckpt, map_location=cfg.device, weights_only=False)
+    if state is not None:
         for e, h in heads.items():
             h.load_state_dict(state["heads"][e])
         opt.load_state_dict(state["opt"])
