@@ -1,6 +1,6 @@
 """Baseline for exit heads: how often the *untrained* exit at layer E agrees with the full model.
 
-    python -m train.agreement --config configs/smollm2-135m.yaml [--cache-dir DIR] [--max-rows N] [--json OUT]
+    python -m train.agreement --config configs/smollm2-135m.yaml [--cache-dir DIR] [--seq-stride K] [--json OUT]
 
 For every exit layer stored by ``train.collect``, the untrained exit is the model's own final
 norm + LM head applied to ``hidden.E`` (the residual stream entering layer E). Over the rows
@@ -43,13 +43,13 @@ def _runs(agree: torch.Tensor, seq_id: torch.Tensor, cap: int = RUN_CAP) -> torc
 
 
 @torch.no_grad()
-def shard_stats(model, t: dict, layers: list[int], chunk: int) -> dict:
-    """Per-layer sums over the response-predicting rows of one shard."""
+def shard_stats(model, t: dict, layers: list[int], chunk: int, seq_stride: int = 1) -> dict:
+    """Per-layer sums over the response-predicting rows of one shard (every ``seq_stride``-th sequence)."""
     off = t["seq_offsets"]
     n_seq = off.numel() - 1
     seq_id = torch.repeat_interleave(torch.arange(n_seq), off.diff())
     last_prompt = t["positions"] == torch.repeat_interleave(t["seq_prompt_len"] - 1, off.diff())
-    keep = (t["is_response"].bool() | last_prompt) & (t["target_ids"] >= 0)
+    keep = (t["is_response"].bool() | last_prompt) & (t["target_ids"] >= 0) & (seq_id % seq_stride == 0)
     rows = keep.nonzero().squeeze(1)
     sampled = t["seq_chain"][seq_id[rows]] > 0
     norm, head = model.model.norm, model.get_output_embeddings()
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="configs/smollm2-135m.yaml")
     ap.add_argument("--cache-dir", help="override collect.cache_dir")
     ap.add_argument("--max-shards", type=int, help="only the first N shards (quick look)")
+    ap.add_argument("--seq-stride", type=int, default=1, help="use every k-th sequence of each shard (faster)")
     ap.add_argument("--chunk", type=int, default=2048, help="rows per LM-head matmul")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the table as JSON here")
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     shards = manifest["shards"][:args.max_shards] if args.max_shards else manifest["shards"]
     totals: dict = {}
     for sh in tqdm(shards, desc="shards", file=sys.stderr):
-        stats = shard_stats(model, load_file(str(cache / sh["file"])), layers, args.chunk)
+        stats = shard_stats(model, load_file(str(cache / sh["file"])), layers, args.chunk, args.seq_stride)
         for e, splits in stats.items():
             for split, d in splits.items():
                 acc = totals.setdefault(e, {}).setdefault(split, dict.fromkeys(d, 0.0))
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
                  for split, d in splits.items()} for e, splits in totals.items()}
     n_layers = manifest["model"]["num_hidden_layers"]
     print(f"untrained exit (final norm + LM head at layer E) vs full {n_layers}-layer model, "
-          f"{len(shards)} shards, rows predicting response tokens")
+          f"{len(shards)} shards, sequence stride {args.seq_stride}, rows predicting response tokens")
     print(f"{'E':>3} {'split':>8} {'rows':>7} {'top1':>6} {'top5':>6} {'accept':>7} {'run<=8':>7}")
     for e in layers:
         for split in ("all", "greedy", "sampled"):
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
             print(f"{e:>3} {split:>8} {d['n']:>7} {d['top1']:>6.3f} {d['top5']:>6.3f} {d['accept']:>7.3f} {d['run']:>7.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"cache": str(cache), "settings_hash": manifest["settings_hash"],
-                                               "n_shards": len(shards), "layers": table}, indent=2) + "\n")
+                                               "n_shards": len(shards), "seq_stride": args.seq_stride, "layers": table}, indent=2) + "\n")
     return 0
 
 
