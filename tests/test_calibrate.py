@@ -95,7 +95,10 @@ def test_planted_optimum_is_found_first(tmp_path):
     longest drafts: the cost model enqueues it as trial 0 and the re-timed best is at E=2. (16 new tokens: 1 from
     the prefill, then 3 steps of 5 with K=4 against 4 steps with K=3, so K=4 is the unique optimum.)"""
     model = _planted_model(6, exit_layer=2)
-    result = calibrate(model, _prompts(2), _spec(new_tokens=16), output=str(tmp_path), trials=3, **QUIET)
+    # exits 3..5 agree perfectly too and differ from 2 only by a layer's time, which a loaded machine's timer
+    # cannot order reliably; 1 stays in the space as the negative control
+    spec = _spec(new_tokens=16, exit_layer=[1, 2])
+    result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=3, **QUIET)
     first = result.report["trials"][0]
     assert first["params"] == {"drafter": "early_exit", "max_draft_tokens": 4, "exit_layer": 2,
                                "draft_confidence_threshold": 0.0}
