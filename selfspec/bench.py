@@ -578,7 +578,7 @@ def markdown_table(rows: dict[str, dict]) -> str:
 def render_markdown(result: BenchResult, meta: dict) -> str:
     setup, settings = result.setup, meta["settings"]
     ee = setup["hf_early_exit_layer"]
-    tuned = ", ".join(f"E={k}: {v:.1f} tok/s" for k, v in setup["hf_early_exit_tuning_tokens_per_s"].items())
+    tuned = ", ".join(f"E={k}: {v:.2f} tok/s" for k, v in setup["hf_early_exit_tuning_tokens_per_s"].items())
     lines = [
         f"# selfspec bench: {meta['model']['name']}",
         "",
