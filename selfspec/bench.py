@@ -359,7 +359,8 @@ def load_selfspec_setup(model, cfg: BenchConfig):
         except ModuleNotFoundError as err:
             raise ModuleNotFoundError(f"--heads {directory!r}: loading heads needs {err.name}, missing in this "
                                       f"checkout; run without --heads until head loading lands.") from err
-        config, heads, source = model.selfspec.config, dict(model.selfspec.heads), str(directory)
+        config, heads = model.selfspec.config, dict(model.selfspec.heads)
+        source = str(directory) if cfg.heads else f"shipped with selfspec (assets/{Path(directory).name})"
         selfspec.unwrap(model)
     overrides = {k: v for k, v in (("exit_layer", cfg.exit_layer), ("max_draft_tokens", cfg.max_draft_tokens))
                  if v is not None}

@@ -13,7 +13,7 @@ from selfspec import bench
 from selfspec.drafters.oracle import OracleDrafter
 
 EOS = 2
-SMALL = dict(exit_layer=2, max_draft_tokens=4, max_new_tokens=12, warmup_tokens=4, tune_tokens=4)
+SMALL = dict(model="tiny-llama", exit_layer=2, max_draft_tokens=4, max_new_tokens=12, warmup_tokens=4, tune_tokens=4)
 
 
 def _batch(category: str, seed: int, length: int = 8) -> bench.Batch:
