@@ -63,11 +63,14 @@ class LayerAcceptance:
         return [p / t if t else 0.0 for p, t in zip(passed, tried)]
 
 
-def _head_drafts(engine, exit_layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1, N, H) layer-E states -> draft token ids (N,) and the head's top probability (N,)."""
+def _head_drafts(engine, exit_layer: int, states, answer: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft token ids (N,) and the head's top probability (N,) at the `answer` rows of a text whose hidden
+    states (HF's tuple: embeddings, each layer's output, the last one final-normed) are given."""
     head = engine.head_for(exit_layer)
-    head.reset_state(1)
-    logits = head(hidden, engine.adapter)[0].float()  # (N, V_draft)
+    if head.stateful:  # an attention head reads the whole text; its context as when drafting a first token
+        logits = head.teacher_forced(states[exit_layer], states[-1], engine.adapter)[0, answer].float()
+    else:
+        logits = head(states[exit_layer][:, answer], engine.adapter)[0].float()  # (N, V_draft)
     probs = logits.softmax(-1)
     conf, idx = probs.max(-1)
     tokens = idx if head.vocab_ids is None else head.vocab_ids.to(idx.device)[idx]
@@ -85,7 +88,7 @@ def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]
         states = model(ids, output_hidden_states=True).hidden_states  # L + 1 of (1, P + N, H)
         for e in exit_layers:
             # position P - 1 + i predicts answer token i; hidden_states[e] is the input of layer e
-            tokens, conf = _head_drafts(engine, e, states[e][:, p - 1 : p - 1 + n])
+            tokens, conf = _head_drafts(engine, e, states, slice(p - 1, p - 1 + n))
             out[e].agree.append((tokens.cpu() == seq.answer.cpu()).tolist())
             out[e].conf.append(conf.cpu().tolist())
     return out

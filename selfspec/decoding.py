@@ -66,6 +66,16 @@ class DecodeSettings:
     output_scores: bool = False
 
 
+@dataclass
+class VerifyStep:
+    """What one verification pass saw, for drafters that keep state of their own (a head's KV cache)."""
+
+    base: int  # first slot of this step's inputs in the shared cache
+    early: torch.Tensor  # (B, k + 1, H) layer-E states of the inputs (pending token, then drafts)
+    top: torch.Tensor  # (B, k + 1, H) final-normed last-layer states of the same inputs
+    positions: torch.Tensor  # (B, k + 1)
+
+
 class DecodeState:
     """Per-call mutable state shared by the loop and the drafter."""
 
@@ -120,12 +130,15 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
     early = forward_early(state.ctx, ids, positions, exit_layer, positions.masked_fill(mask == 0, -1))
     out = forward_remainder(state.ctx, early.hidden, positions, exit_layer)
     state.pos = mask.long().sum(-1)  # position of the first generated token
-    state.prompt_hidden = (early.hidden, out.hidden)
+    # layer-E and final-normed states of the prompt, and its positions, for heads with a cache of their own
+    state.prompt_hidden, state.prompt_positions, state.prefill_exit_layer = (early.hidden, out.hidden), positions, \
+        exit_layer
     return state.process(out.logits(state.adapter, last_only=True).float())
 
 
 def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
     """Run the pending token and the drafts through the layers they have not seen; processed logits (B, k+1, V)."""
+    base = state.ctx.cache.layer_length(state.adapter.num_layers - 1)  # slots of the verified prefix
     inputs = torch.cat([state.pending[:, None], draft.tokens], dim=1)
     positions = state.pos[:, None] + torch.arange(inputs.shape[1], device=state.device)
     m = 0 if draft.hidden is None else draft.hidden.shape[1]
@@ -134,6 +147,7 @@ def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
         fresh = forward_early(state.ctx, inputs[:, m:], positions[:, m:], exit_layer).hidden
         hidden = fresh if hidden is None else torch.cat([hidden, fresh], dim=1)
     out = forward_remainder(state.ctx, hidden, positions, exit_layer)
+    state.last_verify = VerifyStep(base, hidden, out.hidden, positions)
     return state.process(out.logits(state.adapter).float())
 
 

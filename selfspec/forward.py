@@ -82,3 +82,17 @@ def forward_remainder(ctx: StepContext, hidden, positions, exit_layer: int) -> R
 
 def forward_full(ctx: StepContext, input_ids, positions) -> RemainderResult:
     return forward_remainder(ctx, forward_early(ctx, input_ids, positions, 0).hidden, positions, 0)
+
+
+def run_module(ctx: StepContext, layer, i: int, cache: SpecCache, hidden, positions) -> torch.Tensor:
+    """Run one extra decoder-layer module (a head's copy of layer i) on (B, T, H) states at (B, T) positions.
+
+    Its KV goes to layer 0 of its own `cache`, whose slots stay aligned with the shared cache's slot table, so
+    the masks (holes, padding, sliding window of layer i) come from the same table."""
+    adapter = ctx.adapter
+    q_start, t = cache.layer_length(0), hidden.shape[1]
+    window = adapter.window(i)
+    mask = None
+    if needs_mask(ctx.slots.has_holes, t, q_start + t, window):
+        mask = build_mask(ctx.slots.view(q_start + t), positions, q_start, window, hidden.dtype, adapter.attn_impl)
+    return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)

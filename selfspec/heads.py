@@ -7,6 +7,8 @@ parameters, so saving a head writes only what it adds.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ class ExitHead(nn.Module):
     """Base: the model's own final norm + LM head applied at layer E (LayerSkip's exit; no parameters)."""
 
     kind = "norm"
+    stateful = False  # True for heads with a KV cache of their own (the attention adapter)
 
     def __init__(self, exit_layer: int, vocab_ids: torch.Tensor | None = None):
         super().__init__()
@@ -35,9 +38,6 @@ class ExitHead(nn.Module):
         """JSON-able description from which `build_head` rebuilds the module before loading weights."""
         return {"kind": self.kind, "exit_layer": self.exit_layer,
                 "draft_vocab_size": None if self.vocab_ids is None else int(self.vocab_ids.numel())}
-
-    def reset_state(self, batch: int) -> None:
-        """Heads with their own cache clear it here at the start of each generate call."""
 
 
 HEAD_KINDS: dict[str, type[ExitHead]] = {"norm": ExitHead}
@@ -93,6 +93,112 @@ class MLPHead(ExitHead):
         if spec["hidden_size"] != adapter.hidden_size:
             raise ValueError(f"MLP head for hidden size {spec['hidden_size']}, model has {adapter.hidden_size}.")
         return cls(spec["exit_layer"], spec["hidden_size"], spec["rank"], _vocab_placeholder(spec))
+
+
+CONTEXTS = ("early", "top")
+
+
+@register_head
+class AttentionHead(ExitHead):
+    """Attention adapter: a copy of one decoder layer run on the layer-E states, then the shared norm + LM head.
+
+    It attends over earlier positions through a KV cache of its own whose slots mirror the shared cache (same
+    slot table, same rollback). `context` says what fills that cache for verified positions:
+      "early": their layer-E states (Kangaroo's adapter; the head sees one kind of input everywhere);
+      "top":   their final-layer (final-normed) states, which verification computes anyway; only the positions
+               being drafted use layer-E states. Top-layer features predict the next token far better (EAGLE),
+               and here they cost nothing but one pass of this layer over the accepted tokens.
+    Drafted tokens are still verified by the full model, so either way the output is exact.
+    """
+
+    kind = "attn"
+    stateful = True
+
+    def __init__(self, exit_layer: int, layer: nn.Module, source_layer: int, context: str = "early",
+                 vocab_ids: torch.Tensor | None = None):
+        super().__init__(exit_layer, vocab_ids)
+        if context not in CONTEXTS:
+            raise ValueError(f"attention head context must be one of {CONTEXTS}, got {context!r}.")
+        self.source_layer, self.context = source_layer, context
+        self.layer = layer
+        for module in self.layer.modules():  # its KV goes to layer 0 of the head's own cache
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = 0
+
+    @classmethod
+    def from_model(cls, adapter: ArchAdapter, exit_layer: int, source_layer: int | None = None,
+                   context: str = "early", vocab_ids: torch.Tensor | None = None) -> "AttentionHead":
+        """A head whose layer starts as a copy of the model's layer `source_layer` (default: layer E itself,
+        which already reads layer-E states)."""
+        source = exit_layer if source_layer is None else source_layer
+        if not 0 <= source < adapter.num_layers:
+            raise ValueError(f"source_layer {source} outside [0, {adapter.num_layers - 1}].")
+        layer = adapter.layers[source]
+        if any(not p.is_floating_point() or p.device.type == "meta" for p in layer.parameters()):
+            raise ValueError(
+                f"An attention head copies decoder layer {source}, but its weights are quantized or offloaded. "
+                "Build and train heads on the unquantized model, then load them into the quantized one.")
+        return cls(exit_layer, copy.deepcopy(layer).requires_grad_(True), source, context, vocab_ids)
+
+    @classmethod
+    def from_spec(cls, spec: dict, adapter: ArchAdapter) -> "AttentionHead":
+        if spec.get("hidden_size", adapter.hidden_size) != adapter.hidden_size:
+            raise ValueError(f"Attention head for hidden size {spec['hidden_size']}, model has "
+                             f"{adapter.hidden_size}.")
+        return cls.from_model(adapter, spec["exit_layer"], spec["source_layer"], spec.get("context", "early"),
+                              _vocab_placeholder(spec))
+
+    def spec(self) -> dict:
+        return {**super().spec(), "source_layer": self.source_layer, "context": self.context}
+
+    def attend(self, hidden, adapter: ArchAdapter, positions, mask=None, cache=None) -> torch.Tensor:
+        """The copied layer on (B, T, H) states at (B, T) positions; with a cache, appends to its layer 0."""
+        return adapter.call_module(self.layer, self.source_layer, hidden, mask, positions,
+                                   adapter.rotary(hidden, positions), cache)
+
+    def forward(self, hidden, adapter: ArchAdapter, positions=None, mask=None) -> torch.Tensor:
+        """Stateless use (training, teacher-forced evaluation): (B, T, H) states, causal unless `mask` is
+        given -> (B, T, V_draft) logits."""
+        b, t = hidden.shape[:2]
+        if positions is None:
+            positions = torch.arange(t, device=hidden.device).expand(b, t)
+        if mask is None:
+            mask = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()[None, None].expand(b, 1, t, t)
+        return self.logits(self.attend(hidden, adapter, positions, mask), adapter)
+
+    def logits(self, out: torch.Tensor, adapter: ArchAdapter) -> torch.Tensor:
+        return adapter.logits(adapter.final_norm(out), self.vocab_ids)
+
+    def teacher_forced(self, early, top, adapter: ArchAdapter, lengths=None, round_len: int = 1,
+                       offset: int = 0) -> torch.Tensor:
+        """Draft logits (B, T, V_draft) at every position of right-padded sequences, each seeing the context it
+        would see while drafting (training and the calibrator's acceptance profile).
+
+        early, top: (B, T, H) layer-E and final-normed states at positions 0..T-1; lengths (B,) valid lengths.
+        For context="top", positions are drafted in rounds of `round_len` starting at `offset`: a query at j,
+        in the round that starts at r, sees final states before r and layer-E states from r to j. round_len=1
+        is the first draft of every round (the verified text is all top states)."""
+        b, t = early.shape[:2]
+        device = early.device
+        lengths = torch.full((b,), t, device=device) if lengths is None else lengths.to(device)
+        j = torch.arange(t, device=device)
+        valid = j[None, :] < lengths[:, None]  # (B, T) real keys
+        if self.context == "early":
+            mask = (j[None, :] <= j[:, None])[None] & valid[:, None, :]  # (B, T, T) causal
+            return self.forward(early, adapter, j.expand(b, t), (mask | torch.eye(t, dtype=torch.bool,
+                                                                                    device=device))[:, None])
+        start = j - torch.remainder(j - offset, round_len)  # (T,) first position of each query's round
+        sees_top = j[None, :] < start[:, None]  # (T, T): query j, key i
+        sees_early = (j[None, :] >= start[:, None]) & (j[None, :] <= j[:, None])
+        # keys: [top_0 .. top_T-1, early_0 .. early_T-1]; queries: the same layout, only the early half is used
+        # (a top query sees only itself; its output is thrown away)
+        mask = torch.zeros(b, 2 * t, 2 * t, dtype=torch.bool, device=device)
+        mask[:, t:, :t] = sees_top[None] & valid[:, None, :]
+        mask[:, t:, t:] = sees_early[None] & valid[:, None, :]
+        mask |= torch.eye(2 * t, dtype=torch.bool, device=device)
+        positions = torch.cat([j, j]).expand(b, 2 * t)
+        out = self.attend(torch.cat([top, early], dim=1), adapter, positions, mask[:, None])
+        return self.logits(out[:, t:], adapter)
 
 
 def frequent_token_ids(token_ids: torch.Tensor, size: int, always: list[int] | None = None) -> torch.Tensor:

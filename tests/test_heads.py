@@ -7,25 +7,36 @@ import torch
 
 import selfspec
 from selfspec.drafters.early_exit import EarlyExitDrafter
-from selfspec.heads import ExitHead, MLPHead, frequent_token_ids
+from selfspec.heads import AttentionHead, ExitHead, MLPHead, frequent_token_ids
 from conftest import VOCAB, make_model, padded_batch, prompt
 
 GEN = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
 
 
-def _heads(vocab_ids=None, seed=0):
+KINDS = ["norm", "mlp", "attn", "attn-top"]
+
+
+def _heads(vocab_ids=None, seed=0, model=None):
     torch.manual_seed(seed)
     mlp = MLPHead(2, 32, 48, vocab_ids).double()
     torch.nn.init.normal_(mlp.down.weight, std=0.2)  # not the zero init: a head that changes the drafts
-    return {"norm": ExitHead(2, vocab_ids), "mlp": mlp}
+    heads = {"norm": ExitHead(2, vocab_ids), "mlp": mlp}
+    if model is not None:  # attention heads copy one of the model's layers (layer 2, the one they replace)
+        adapter = selfspec.arch.adapter_for(model)
+        for name, context in (("attn", "early"), ("attn-top", "top")):
+            heads[name] = AttentionHead.from_model(adapter, 2, context=context, vocab_ids=vocab_ids)
+            with torch.no_grad():  # perturbed: its drafts differ from the plain copy's
+                for p in heads[name].layer.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+    return heads
 
 
-@pytest.mark.parametrize("kind", ["norm", "mlp"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab", [None, 40])
 def test_shapes_and_round_trip(tmp_path, kind, vocab):
     model = make_model("llama", 4)
     vocab_ids = None if vocab is None else frequent_token_ids(torch.randint(0, VOCAB, (400,)), vocab, [2])
-    head = _heads(vocab_ids)[kind]
+    head = _heads(vocab_ids, model=model)[kind]
     selfspec.wrap(model, exit_layer=2)
     out = head(torch.randn(3, 5, 32, dtype=torch.float64), model.selfspec.adapter)
     assert out.shape == (3, 5, VOCAB if vocab_ids is None else len(vocab_ids))
@@ -39,7 +50,7 @@ def test_shapes_and_round_trip(tmp_path, kind, vocab):
         assert k == k2 and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["norm", "mlp"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
 def test_greedy_identity_with_each_head(kind, family):
     model = make_model(family, 4)
@@ -49,7 +60,7 @@ def test_greedy_identity_with_each_head(kind, family):
     ref, ref_one = model.generate(ids, attention_mask=mask, **GEN), model.generate(one, **GEN)
     for vocab in (None, vocab_ids):
         selfspec.wrap(model, exit_layer=2, max_draft_tokens=4)
-        model.selfspec.add_head(_heads(vocab)[kind])
+        model.selfspec.add_head(_heads(vocab, model=model)[kind])
         try:
             assert torch.equal(model.generate(one, **GEN), ref_one)
             if family != "gemma2":  # HF's own padded Gemma 2 batch differs from its single rows (test_exact_greedy)
@@ -104,3 +115,70 @@ def test_training_lowers_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+@pytest.mark.parametrize("context", ["early", "top"])
+def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context):
+    """After decoding, the attention head's own KV for every verified slot equals the head layer run afresh over the
+    model's states of the final text (layer-E states, or final-normed ones for context="top"): drafting, rollback and
+    catch-up kept it exact, in a padded batch whose rows accept different numbers of drafts."""
+    model = make_model("llama", 4)
+    head = _heads(model=model)["attn" if context == "early" else "attn-top"]
+    seen = {}
+    original = EarlyExitDrafter.accepted
+
+    def spy(self, state, draft, n):
+        original(self, state, draft, n)
+        seen.update(cache=self.head_cache.cache, slots=state.ctx.slots.pos.clone(), n=seen.get("n", []) + [n])
+
+    monkeypatch.setattr(EarlyExitDrafter, "accepted", spy)
+    ids, mask = padded_batch(seed=7)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=3)
+    model.selfspec.add_head(head)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    selfspec.unwrap(model)
+    accepted = torch.cat(seen["n"])
+    assert 0 < int(accepted.sum()) < accepted.numel() * 3  # some drafts accepted, some rejected
+    keys = seen["cache"].layers[0].keys  # (B, kv_heads, S, d)
+    checked = 0
+    for b in range(ids.shape[0]):
+        text = torch.cat([ids[b][mask[b] == 1], out[b, ids.shape[1]:]])[None]
+        text = text[:, : int((text[0] != 0).sum())]  # drop right padding after an early stop
+        with torch.no_grad():
+            states = model(text, output_hidden_states=True).hidden_states
+            ref_cache = selfspec.cache.SpecCache(1)
+            source = states[2] if context == "early" else states[-1]
+            head.attend(source, selfspec.arch.adapter_for(model), torch.arange(text.shape[1])[None], None, ref_cache)
+        ref = ref_cache.layers[0].keys[0]  # (kv_heads, T, d)
+        for s in range(keys.shape[2]):
+            p = int(seen["slots"][b, s])
+            # the last token is only ever pending (a finished row's pending is padding), never a verified input
+            if 0 <= p < text.shape[1] - 1:
+                torch.testing.assert_close(keys[b, :, s], ref[:, p], msg=f"row {b} slot {s} position {p}")
+                checked += 1
+    assert checked > 40
+
+
+@pytest.mark.parametrize("context,round_len,offset", [("early", 1, 0), ("top", 1, 0), ("top", 3, 1)])
+def test_teacher_forced_logits_match_incremental_drafting(context, round_len, offset):
+    """The one-pass training/calibration view of an attention head gives, at every position, the logits the head
+    gives when fed as in drafting: verified context first (final states for "top"), then the round's layer-E
+    states one at a time through its cache; padded rows ignore the padding."""
+    model = make_model("llama", 4)
+    adapter = selfspec.arch.adapter_for(model)
+    head = _heads(model=model)["attn" if context == "early" else "attn-top"]
+    early, top = torch.randn(2, 9, 32, dtype=torch.float64), torch.randn(2, 9, 32, dtype=torch.float64)
+    lengths = torch.tensor([9, 6])
+    with torch.no_grad():
+        got = head.teacher_forced(early, top, adapter, lengths, round_len, offset)
+        for b, n in enumerate(lengths.tolist()):
+            for j in range(n):
+                start = max(0, j - (j - offset) % round_len) if context == "top" else 0
+                cache = selfspec.cache.SpecCache(1)
+                pos = torch.arange(j + 1)[None]
+                if start:
+                    head.attend(top[b : b + 1, :start], adapter, pos[:, :start], None, cache)
+                out = None
+                for i in range(start, j + 1):
+                    out = head.attend(early[b : b + 1, i : i + 1], adapter, pos[:, i : i + 1], None, cache)
+                torch.testing.assert_close(got[b, j], head.logits(out, adapter)[0, -1])

@@ -79,6 +79,11 @@ class ArchAdapter:
         return None
 
     def call_layer(self, i, hidden, mask, positions, rotary, cache) -> torch.Tensor:
+        """Decoder layer i on (B, T, H) states; its attention appends to `cache` at its own layer index."""
+        return self.call_module(self.layers[i], i, hidden, mask, positions, rotary, cache)
+
+    def call_module(self, layer, i, hidden, mask, positions, rotary, cache) -> torch.Tensor:
+        """Call a decoder-layer module (layer i itself, or a head's copy of it) the way layer i is called."""
         raise NotImplementedError
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ class GPT2Adapter(ArchAdapter):
         # a device map may place the two embeddings apart
         return tokens + self.base.wpe(positions.clamp(min=0)).to(tokens.device)
 
-    def call_layer(self, i, hidden, mask, positions, rotary, cache):
-        return self.layers[i](hidden, cache=cache, attention_mask=mask, use_cache=True, position_ids=positions)
+    def call_module(self, layer, i, hidden, mask, positions, rotary, cache):
+        return layer(hidden, cache=cache, attention_mask=mask, use_cache=True, position_ids=positions)
 
     def final_norm(self, hidden):
         return self.base.ln_f(hidden)

@@ -25,8 +25,8 @@ class GPTNeoXAdapter(ArchAdapter):
     def rotary(self, hidden, positions):
         return self.base.rotary_emb(hidden, positions)
 
-    def call_layer(self, i, hidden, mask, positions, rotary, cache):
-        return self.layers[i](
+    def call_module(self, layer, i, hidden, mask, positions, rotary, cache):
+        return layer(
             hidden, attention_mask=mask, position_ids=positions, layer_past=cache, use_cache=True,
             position_embeddings=rotary,
         )

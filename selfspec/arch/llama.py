@@ -36,8 +36,8 @@ class LlamaAdapter(ArchAdapter):
         types = getattr(self.config, "layer_types", None)
         return types[i] if types else self.layer_type(i)
 
-    def call_layer(self, i, hidden, mask, positions, rotary, cache):
-        return self.layers[i](
+    def call_module(self, layer, i, hidden, mask, positions, rotary, cache):
+        return layer(
             hidden,
             attention_mask=mask,
             position_embeddings=rotary[self.layer_type_name(i)],

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..forward import forward_early
+from ..cache import SpecCache
+from ..forward import forward_early, run_module
 from ..heads import ExitHead
 from ..sampling import logits_to_probs, sample
 from .base import Draft, Drafter
@@ -17,10 +18,24 @@ class EarlyExitDrafter(Drafter):
         self.head = head
         self.exit_layer = head.exit_layer
         self.threshold = confidence_threshold
+        self.head_cache: HeadCache | None = None
 
-    def head_logits(self, state, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, 1, H) layer-E state -> (B, V) draft logits over the full vocabulary (-inf outside the head's)."""
-        sub = self.head(hidden, state.adapter)[:, -1].float()
+    def begin(self, state) -> None:
+        self.head_cache = HeadCache(self.head, state) if self.head.stateful else None
+
+    def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
+        if self.head_cache is not None:
+            self.head_cache.catch_up(state)
+
+    def head_logits(self, state, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, H) layer-E states of the inputs just run through layers [0, E), at (B, T) positions -> (B, V)
+        draft logits for the token after the last one, over the full vocabulary (-inf outside the head's).
+        A stateful head takes all T inputs into its cache; the others look at the last one only."""
+        if self.head_cache is not None:
+            sub = self.head.logits(self.head_cache.feed(state, hidden, positions)[:, -1:], state.adapter)
+        else:
+            sub = self.head(hidden[:, -1:], state.adapter)
+        sub = sub[:, -1].float()
         if self.head.vocab_ids is None:
             return sub
         full = sub.new_full((sub.shape[0], state.vocab_size), float("-inf"))
@@ -34,9 +49,10 @@ class EarlyExitDrafter(Drafter):
         draft_len = torch.zeros_like(state.pending)
         hiddens, tokens, qs = [], [], []
         for j in range(k):
-            h = forward_early(state.ctx, x[:, None], state.pos[:, None] + j, self.exit_layer).hidden
+            positions = state.pos[:, None] + j
+            h = forward_early(state.ctx, x[:, None], positions, self.exit_layer).hidden
             hiddens.append(h)
-            logits = state.process(self.head_logits(state, h)[:, None], offset=j)[:, 0]  # (B, V)
+            logits = state.process(self.head_logits(state, h, positions)[:, None], offset=j)[:, 0]  # (B, V)
             probs = logits_to_probs(logits)
             token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
             confident = probs.max(dim=-1).values >= self.threshold
@@ -57,3 +73,38 @@ class EarlyExitDrafter(Drafter):
             q=torch.stack(qs[:width], dim=1) if (qs and width) else None,
             hidden=torch.cat(hiddens[: width + 1], dim=1),
         )
+
+
+class HeadCache:
+    """The KV cache of a stateful head during one generate call. Its slots mirror the shared cache: the prompt
+    goes in after prefill, each drafted input as the drafter runs it, and after verification it is cut back like
+    the shared cache and given the verified inputs it has not seen (for context="top": all of this step's
+    verified inputs again, as final-layer states in place of the layer-E states it drafted from)."""
+
+    def __init__(self, head: ExitHead, state):
+        self.head, self.cache = head, SpecCache(1)
+        early, top = state.prompt_hidden  # (B, T0, H) each, from prefill
+        if early.shape[-1] != top.shape[-1] or state.prefill_exit_layer != head.exit_layer:
+            raise ValueError(f"The prefill ran to layer {state.prefill_exit_layer}, but the head exits at "
+                             f"layer {head.exit_layer}; set config.exit_layer to the head's layer.")
+        self.feed(state, top if head.context == "top" else early, state.prompt_positions)
+
+    def feed(self, state, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the head's layer on (B, T, H) states entering the next T slots; returns its (B, T, H) output."""
+        weight = next(self.head.layer.parameters())
+        return run_module(state.ctx, self.head.layer, self.head.source_layer, self.cache,
+                          hidden.to(weight.device, weight.dtype), positions.to(weight.device))
+
+    def catch_up(self, state) -> None:
+        step = state.last_verify
+        verified_len = state.ctx.cache.layer_length(state.adapter.num_layers - 1)
+        if self.head.context == "top":
+            self.cache.rollback(step.base)
+            source = step.top
+        else:
+            self.cache.rollback(verified_len)
+            source = step.early
+        start = self.cache.layer_length(0)
+        if start < verified_len:
+            cols = slice(start - step.base, verified_len - step.base)
+            self.feed(state, source[:, cols], step.positions[:, cols])

@@ -49,6 +49,11 @@ class HybridDrafter(Drafter):
 
     def begin(self, state) -> None:
         self.ngram.begin(state)
+        self.early.begin(state)
+
+    def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
+        self.ngram.accepted(state, draft, n)
+        self.early.accepted(state, draft, n)
 
     def propose(self, state, k: int) -> Draft:
         if k == 0:
@@ -91,7 +96,7 @@ class HybridDrafter(Drafter):
             hiddens.append(h)
             fed, col = end, end - 1
             proposing = extending & (draft_len == col)
-            logits = state.process(self.early.head_logits(state, h[:, -1:])[:, None], offset=col)[:, 0]  # (B, V)
+            logits = state.process(self.early.head_logits(state, h, positions)[:, None], offset=col)[:, 0]  # (B, V)
             probs = logits_to_probs(logits)
             token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
             take = proposing & (probs.max(dim=-1).values >= self.early.threshold)
