@@ -32,8 +32,12 @@ class TrainConfig:
     data_dir: str = "data_cache/smollm2-135m"  # shards + manifest.json written by train.collect
     out_dir: str = "runs/smollm2-135m-heads"  # checkpoints and the final save_pretrained directory
     exit_layers: list = field(default_factory=lambda: [4, 6, 8, 12])  # one head each, all from one data pass
-    head: str = "mlp"  # "mlp": residual MLP adapter before the shared norm + LM head
+    head: str = "mlp"  # "mlp": residual MLP adapter; "attn": a copied decoder layer with its own KV cache
     rank: int = 1152  # hidden width of the MLP adapter
+    context: str = "early"  # attn only: what verified positions look like to the head, "early" or "top" states
+    source_layer: int | None = None  # attn only: the layer copied to start from; None = the exit layer itself
+    seq_batch: int = 8  # attn only: whole sequences per step (it attends over them)
+    round_len_max: int = 5  # attn "top" only: draft rounds of 1..this many tokens are sampled while training
     draft_vocab_size: int = 8192  # the head scores only this many most frequent tokens; 0 = full vocabulary
     steps: int = 800  # optimizer steps
     batch_size: int = 256  # rows (positions) per step and head
@@ -72,8 +76,10 @@ def load_config(argv) -> TrainConfig:
         if given is not None:
             values[name] = given
     cfg = TrainConfig(**{k: v for k, v in values.items() if k in TrainConfig.__dataclass_fields__})
+    if isinstance(cfg.source_layer, str):
+        cfg.source_layer = None if cfg.source_layer.lower() in ("none", "null", "") else int(cfg.source_layer)
     for name in ("rank", "draft_vocab_size", "steps", "batch_size", "warmup", "eval_every", "checkpoint_every",
-                 "seed", "max_draft_tokens"):
+                 "seed", "max_draft_tokens", "seq_batch", "round_len_max"):
         setattr(cfg, name, int(getattr(cfg, name)))
     for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction"):
         setattr(cfg, name, float(getattr(cfg, name)))
@@ -122,9 +128,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def distill_loss(head, hidden, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
     """KL(teacher || head) over the draft vocabulary plus CE on the teacher's top-1 where it is in it.
     hidden, final: (N, H) layer-E and final-normed states; top1: (N,) teacher argmax over the full vocabulary."""
+    return distill_terms(head(hidden, adapter), final, top1, adapter, vocab_ids, vocab_index, ce_weight)
+
+
+def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
+    """The loss from the head's (N, V_d) logits; the teacher's from final-normed states (N, H)."""
     with torch.no_grad():
         teacher = torch.log_softmax(adapter.logits(final, vocab_ids).float(), dim=-1)  # (N, V_d)
-    student = torch.log_softmax(head(hidden, adapter).float(), dim=-1)
+    student = torch.log_softmax(head_logits.float(), dim=-1)
     kl = torch.sum(teacher.exp() * (teacher - student), dim=-1).mean()
     target = vocab_index[top1]  # position of the teacher's top-1 in the draft vocabulary, -1 if absent
     ce = torch.nn.functional.nll_loss(student, target.clamp(min=0), reduction="none")[target >= 0].mean()
@@ -141,6 +152,57 @@ def agreement(head, rows, key, adapter, chunk=4096) -> float:
         ids = pred if head.vocab_ids is None else head.vocab_ids[pred]
         hits += int((ids.cpu() == rows["teacher_top1"][i : i + chunk].long()).sum())
     return hits / max(1, len(rows["teacher_top1"]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention heads read whole sequences: the 32 stored prompt positions as context, loss on the answer rows
+def load_sequences(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int):
+    """(train, held) lists of per-sequence dicts of (T, ...) tensors, split by the same seed as load_rows."""
+    keys = [f"hidden.{e}" for e in exit_layers] + ["hidden.final", "teacher_top1"]
+    seqs = []
+    for name in sorted(f for f in os.listdir(data_dir) if f.endswith(".safetensors")):
+        shard = load_file(os.path.join(data_dir, name))
+        offsets = shard["seq_offsets"].tolist()
+        for i in range(len(offsets) - 1):
+            rows = slice(offsets[i], offsets[i + 1])
+            seq = {k: shard[k][rows] for k in keys}
+            seq["loss"] = shard["positions"][rows] >= shard["seq_prompt_len"][i] - 1  # rows predicting the answer
+            seqs.append(seq)
+    g = torch.Generator().manual_seed(seed)
+    held = set(torch.randperm(len(seqs), generator=g)[: max(1, int(len(seqs) * holdout_fraction))].tolist())
+    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
+
+
+def pad_batch(seqs: list[dict], key: str, device, dtype):
+    """Right-pad one key of several sequences: (B, T, ...) and lengths (B,)."""
+    lengths = torch.tensor([len(s[key]) for s in seqs])
+    out = torch.zeros(len(seqs), int(lengths.max()), *seqs[0][key].shape[1:], dtype=seqs[0][key].dtype)
+    for b, s in enumerate(seqs):
+        out[b, : len(s[key])] = s[key]
+    return out.to(device, dtype if out.is_floating_point() else None), lengths.to(device)
+
+
+def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0):
+    """Head logits and teacher data at the answer rows of a batch of sequences: (N, V_d), (N, H), (N,)."""
+    dtype = head_dtype(head)
+    early, lengths = pad_batch(seqs, f"hidden.{head.exit_layer}", cfg.device, dtype)
+    final, _ = pad_batch(seqs, "hidden.final", cfg.device, dtype)
+    loss_rows, _ = pad_batch(seqs, "loss", cfg.device, None)
+    top1, _ = pad_batch(seqs, "teacher_top1", cfg.device, None)
+    logits = head.teacher_forced(early, final, adapter, lengths, round_len, offset)
+    rows = loss_rows.bool()
+    return logits[rows], final[rows], top1[rows].long()
+
+
+@torch.no_grad()
+def attention_agreement(head, seqs, adapter, cfg, round_len=1) -> float:
+    hits = total = 0
+    for i in range(0, len(seqs), cfg.seq_batch):
+        logits, _, top1 = attention_step(head, seqs[i : i + cfg.seq_batch], adapter, cfg, round_len)
+        pred = logits.argmax(-1)
+        ids = pred if head.vocab_ids is None else head.vocab_ids[pred]
+        hits, total = hits + int((ids == top1).sum()), total + len(top1)
+    return hits / max(1, total)
 
 
 def head_device(head):
@@ -160,7 +222,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, cfg.dtype)
 
     import selfspec
-    from selfspec.heads import ExitHead, MLPHead, frequent_token_ids
+    from selfspec.heads import AttentionHead, ExitHead, MLPHead, frequent_token_ids
     from selfspec.models import resolve_model
     from tqdm import tqdm
 
@@ -193,7 +255,17 @@ def main(argv=None) -> int:
     else:
         vocab_index = torch.arange(adapter.vocab_size, device=cfg.device)
 
-    heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids).to(cfg.device, dtype) for e in cfg.exit_layers}
+    if cfg.head == "attn":  # a copy of the exit layer (or source_layer) with its own KV cache
+        heads = {e: AttentionHead.from_model(adapter, e, cfg.source_layer, cfg.context, vocab_ids).to(cfg.device, dtype)
+                 for e in cfg.exit_layers}
+        train_seqs, held_seqs = load_sequences(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
+        measure = lambda e, h: attention_agreement(h, held_seqs, adapter, cfg)  # noqa: E731
+    elif cfg.head == "mlp":
+        heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids).to(cfg.device, dtype)
+                 for e in cfg.exit_layers}
+        measure = lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter)  # noqa: E731
+    else:
+        raise ValueError(f"train.head must be 'mlp' or 'attn', got {cfg.head!r}.")
     baseline = {e: agreement(ExitHead(e, vocab_ids), held_rows, f"hidden.{e}", adapter) for e in cfg.exit_layers}
     print("untrained exit agreement:", {e: round(a, 4) for e, a in baseline.items()})
     params = [p for h in heads.values() for p in h.parameters()]
@@ -216,17 +288,24 @@ def main(argv=None) -> int:
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        idx = torch.randint(0, n, (cfg.batch_size,), generator=g)
-        final = train_rows["hidden.final"][idx].to(cfg.device, dtype)
-        top1 = train_rows["teacher_top1"][idx].long().to(cfg.device)
-        loss = sum(distill_loss(h, train_rows[f"hidden.{e}"][idx].to(cfg.device, dtype), final, top1, adapter,
-                                vocab_ids, vocab_index, cfg.ce_weight) for e, h in heads.items())
+        if cfg.head == "attn":  # whole sequences; "top" heads see draft rounds of a random length and phase
+            batch = [train_seqs[i] for i in torch.randint(0, len(train_seqs), (cfg.seq_batch,), generator=g)]
+            round_len = int(torch.randint(1, cfg.round_len_max + 1, (1,), generator=g))
+            offset = int(torch.randint(0, round_len, (1,), generator=g))
+            loss = sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset), adapter, vocab_ids,
+                                     vocab_index, cfg.ce_weight) for h in heads.values())
+        else:  # independent rows
+            idx = torch.randint(0, n, (cfg.batch_size,), generator=g)
+            final = train_rows["hidden.final"][idx].to(cfg.device, dtype)
+            top1 = train_rows["teacher_top1"][idx].long().to(cfg.device)
+            loss = sum(distill_loss(h, train_rows[f"hidden.{e}"][idx].to(cfg.device, dtype), final, top1, adapter,
+                                    vocab_ids, vocab_index, cfg.ce_weight) for e, h in heads.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{loss.item() / len(heads):.3f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            agree = {e: round(agreement(h, held_rows, f"hidden.{e}", adapter), 4) for e, h in heads.items()}
+            agree = {e: round(measure(e, h), 4) for e, h in heads.items()}
             history.append({"step": step + 1, "loss": loss.item() / len(heads), "agreement": agree})
             tqdm.write(f"step {step + 1}: held-out top-1 agreement {agree}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -234,7 +313,7 @@ def main(argv=None) -> int:
                         "step": step + 1}, ckpt)
 
     # the result: heads + config through save_pretrained (safetensors + JSON), bf16 keeps it small
-    final_agree = {e: agreement(h, held_rows, f"hidden.{e}", adapter) for e, h in heads.items()}
+    final_agree = {e: measure(e, h) for e, h in heads.items()}
     best = cfg.default_exit_layer or max(final_agree, key=final_agree.get)
     model.selfspec.config = model.selfspec.config.replace(
         exit_layer=best, max_draft_tokens=cfg.max_draft_tokens,
