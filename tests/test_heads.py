@@ -182,3 +182,16 @@ def test_teacher_forced_logits_match_incremental_drafting(context, round_len, of
                 for i in range(start, j + 1):
                     out = head.attend(early[b : b + 1, i : i + 1], adapter, pos[:, i : i + 1], None, cache)
                 torch.testing.assert_close(got[b, j], head.logits(out, adapter)[0, -1])
+
+
+def test_draft_vocabulary_logits_follow_the_lm_head():
+    """The rows of the LM head a draft vocabulary uses are cached between draft steps; an in-place change of the
+    LM head's weight (a user's fine-tuning step) must not leave stale rows behind."""
+    model = make_model("llama", 4)
+    adapter = selfspec.arch.adapter_for(model)
+    ids = torch.tensor([3, 5, 7, 40])
+    normed = torch.randn(1, 2, 32, dtype=torch.float64)
+    for _ in range(3):
+        torch.testing.assert_close(adapter.logits(normed, ids), adapter.logits(normed)[..., ids])
+        with torch.no_grad():
+            model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -130,7 +131,25 @@ def _head_rows(head: nn.Module, normed: torch.Tensor, vocab_ids: torch.Tensor) -
             )
         rows = vocab_ids.to(weight.device)
         bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
-        return nn.functional.linear(normed.to(weight.device), weight[rows], bias)
+        offloaded = getattr(getattr(head, "_hf_hook", None), "offload", False)  # its weight is loaded per call
+        sub = weight[rows] if offloaded else _gathered_rows(weight, vocab_ids, rows)
+        return nn.functional.linear(normed.to(weight.device), sub, bias)
+
+
+# vocab_ids tensor -> (LM-head weight, its version, weight[rows]): a draft step then reads V_draft x H once
+# instead of gathering the rows again (a copy as large as the matmul) for every drafted token.
+_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if weight.requires_grad or weight.device.type == "meta":  # training through it, or offloaded: no cache
+        return weight[rows]
+    hit = _ROWS.get(vocab_ids)
+    if hit is not None and hit[0] is weight and hit[1] == weight._version and hit[2].device == weight.device:
+        return hit[2]
+    sub = weight[rows]
+    _ROWS[vocab_ids] = (weight, weight._version, sub)
+    return sub
 
 
 def _weights_loaded(module: nn.Module):
