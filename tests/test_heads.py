@@ -191,7 +191,7 @@ def test_draft_vocabulary_logits_follow_the_lm_head():
     adapter = selfspec.arch.adapter_for(model)
     ids = torch.tensor([3, 5, 7, 40])
     normed = torch.randn(1, 2, 32, dtype=torch.float64)
-    for _ in range(3):
-        torch.testing.assert_close(adapter.logits(normed, ids), adapter.logits(normed)[..., ids])
-        with torch.no_grad():
+    with torch.no_grad():  # as in decoding (with gradients on, nothing is cached)
+        for _ in range(3):
+            torch.testing.assert_close(adapter.logits(normed, ids), adapter.logits(normed)[..., ids])
             model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))

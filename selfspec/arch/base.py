@@ -136,19 +136,25 @@ def _head_rows(head: nn.Module, normed: torch.Tensor, vocab_ids: torch.Tensor) -
         return nn.functional.linear(normed.to(weight.device), sub, bias)
 
 
-# vocab_ids tensor -> (LM-head weight, its version, weight[rows]): a draft step then reads V_draft x H once
-# instead of gathering the rows again (a copy as large as the matmul) for every drafted token.
-_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# id(vocab_ids) -> (weakref to vocab_ids, LM-head weight, its version, weight[rows]); an entry goes with its
+# vocab_ids tensor. Kept off the tensor itself so that pickling a head's buffers never drags the rows along.
+_ROWS: dict[int, tuple] = {}
 
 
 def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    if weight.requires_grad or weight.device.type == "meta":  # training through it, or offloaded: no cache
+    """weight[rows], reused between calls: a draft step then reads V_draft x H once instead of gathering the rows
+    again (a copy as large as the matmul) for every drafted token. Recomputed when the weight is another tensor
+    or was changed in place (its version counter moved)."""
+    if (weight.requires_grad and torch.is_grad_enabled()) or weight.device.type == "meta":  # gradients wanted
         return weight[rows]
-    hit = _ROWS.get(vocab_ids)
-    if hit is not None and hit[0] is weight and hit[1] == weight._version and hit[2].device == weight.device:
-        return hit[2]
+    key = id(vocab_ids)
+    hit = _ROWS.get(key)
+    if hit is not None and hit[0]() is vocab_ids and hit[1] is weight and hit[2] == weight._version:
+        return hit[3]
     sub = weight[rows]
-    _ROWS[vocab_ids] = (weight, weight._version, sub)
+    if hit is None or hit[0]() is not vocab_ids:
+        weakref.finalize(vocab_ids, _ROWS.pop, key, None)
+    _ROWS[key] = (weakref.ref(vocab_ids), weight, weight._version, sub)
     return sub
 
 
