@@ -69,7 +69,8 @@ def test_greedy_identity_with_each_head(kind, family):
             selfspec.unwrap(model)
 
 
-def test_drafts_stay_in_draft_vocabulary(monkeypatch):
+@pytest.mark.parametrize("kind", ["mlp", "attn-top"])
+def test_drafts_stay_in_draft_vocabulary(monkeypatch, kind):
     model = make_model("llama", 4)
     vocab_ids = torch.arange(3, 30)
     seen = []
@@ -83,7 +84,7 @@ def test_drafts_stay_in_draft_vocabulary(monkeypatch):
     monkeypatch.setattr(EarlyExitDrafter, "propose", spy)
     for sample in (False, True):
         selfspec.wrap(model, exit_layer=2, max_draft_tokens=4)
-        model.selfspec.add_head(_heads(vocab_ids)["mlp"])
+        model.selfspec.add_head(_heads(vocab_ids, model=model)[kind])
         model.generate(prompt(seed=5), max_new_tokens=24, do_sample=sample, pad_token_id=0)
         selfspec.unwrap(model)
     drafted = torch.cat(seen)
@@ -195,3 +196,30 @@ def test_draft_vocabulary_logits_follow_the_lm_head():
         for _ in range(3):
             torch.testing.assert_close(adapter.logits(normed, ids), adapter.logits(normed)[..., ids])
             model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+
+
+@pytest.mark.parametrize("context", ["early", "top"])
+def test_attention_head_training_lowers_the_loss(context):
+    """A few distillation steps of an attention head (whole sequences, draft rounds of length 3 for "top")."""
+    from train.train_heads import distill_terms
+
+    model = make_model("llama", 4, agreeable=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # peaky teacher distributions
+    adapter = selfspec.arch.adapter_for(model)
+    with torch.no_grad():
+        out = model(torch.randint(3, VOCAB, (4, 20)), output_hidden_states=True)
+    early, final = out.hidden_states[2], out.hidden_states[-1]
+    top1 = out.logits.argmax(-1)
+    head = AttentionHead.from_model(adapter, 2, context=context)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        logits = head.teacher_forced(early, final, adapter, round_len=3, offset=1)
+        loss = distill_terms(logits.reshape(-1, VOCAB), final.reshape(-1, 32), top1.reshape(-1), adapter, None,
+                             torch.arange(VOCAB), 0.3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
