@@ -55,9 +55,13 @@ def save_engine(engine, directory: str) -> str:
     tensors, specs = {}, []
     for layer, head in sorted(engine.heads.items()):
         specs.append(head.spec())
+        stored = getattr(head, "stored_dtype", None)
         for name, value in head.state_dict().items():
             if value is not None:
-                tensors[f"layer{layer}.{name}"] = value.detach().to("cpu").clone()  # heads may share vocab_ids
+                value = value.detach().to("cpu")
+                if stored is not None and value.is_floating_point():
+                    value = value.to(stored)
+                tensors[f"layer{layer}.{name}"] = value.clone()  # heads may share vocab_ids
     if tensors:
         save_file(tensors, os.path.join(directory, HEADS_FILE), metadata={"format": "selfspec-heads"})
     extra = {"base_model": model_identity(engine.adapter), "base_model_path": _base_path(engine.model),
@@ -84,6 +88,9 @@ def load_heads(directory: str, adapter) -> list[ExitHead]:
         prefix = f"layer{spec['exit_layer']}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         head.load_state_dict(state, strict=True, assign=True)  # keep the saved dtype (fp32 or bf16)
+        floats = [v.dtype for v in state.values() if v.is_floating_point()]
+        # the engine computes in the LM head's dtype; saving again writes the weights as they came (bf16 stays small)
+        head.stored_dtype = floats[0] if floats else None
         heads.append(head)
     return heads
 

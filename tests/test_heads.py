@@ -223,3 +223,20 @@ def test_attention_head_training_lowers_the_loss(context):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_saving_again_keeps_the_stored_dtype(tmp_path):
+    """Heads shipped in bf16 run in the model's dtype once loaded; saving the engine again (the calibrator writes its
+    config next to the heads) must write them as they came, not double the file in fp32."""
+    from safetensors import safe_open
+
+    model = make_model("llama", 4)
+    selfspec.wrap(model, exit_layer=2)
+    model.selfspec.heads[2] = _heads()["mlp"].to(torch.bfloat16)  # as train_heads saves them
+    model.selfspec.save_pretrained(tmp_path / "a")
+    selfspec.unwrap(model)
+    selfspec.wrap(model, str(tmp_path / "a"), max_draft_tokens=2)
+    assert model.selfspec.heads[2].up.weight.dtype == torch.float64  # computes in the model's dtype
+    model.selfspec.save_pretrained(tmp_path / "b")
+    with safe_open(str(tmp_path / "b" / "heads.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys() if "vocab" not in k} == {"BF16"}
