@@ -214,8 +214,10 @@ def main(argv=None) -> int:
         for j in range(len(measure)):
             name, e = measure[(i + j) % len(measure)]
             path = cfg.designs[name]
-            selfspec.wrap(model, path, exit_layer=e, max_draft_tokens=cfg.max_draft_tokens) if path else \
-                selfspec.wrap(model, exit_layer=e, max_draft_tokens=cfg.max_draft_tokens)
+            # the design itself: K drafts every step, whatever a calibrated config next to the heads says
+            setting = dict(exit_layer=e, max_draft_tokens=cfg.max_draft_tokens, drafter="early_exit",
+                           draft_confidence_threshold=0.0)
+            selfspec.wrap(model, path, **setting) if path else selfspec.wrap(model, **setting)
             try:
                 got, seconds = timed(lambda: model.generate(ids, **gen))
                 stats = model.selfspec.last_stats
