@@ -69,7 +69,7 @@ TRAIN_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extra
 EVAL_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
 
 COLLECT_DEFAULTS = {
-    "questions": "/work/shared/data/spec_bench/question.jsonl",
+    "questions": None,  # None: the Spec-Bench copy shipped in the package (selfspec/assets/spec_bench)
     "categories": list(TRAIN_CATEGORIES),
     "turns": [1, 2],
     "samples_per_prompt": 3,
@@ -480,6 +480,10 @@ def main(argv=None) -> int:
             c[key] = getattr(args, key)
     torch.set_num_threads(int(c["num_threads"]))
 
+    if not c["questions"]:
+        from selfspec.prompts import spec_bench_path
+
+        c["questions"] = str(spec_bench_path())
     questions = load_questions(c["questions"], c["categories"])
     if args.max_questions:
         questions = questions[:args.max_questions]
