@@ -109,33 +109,57 @@ def to_ids(head, idx: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new: int) -> tuple[int, int]:
-    """(verify steps, accepted drafts) of greedy decoding with K = k drafts per step on this answer.
+def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new: int) -> int:
+    """Verify steps of greedy decoding with K = k drafts per step on this answer.
 
     Answer token 0 comes from the prefill (one step); a step that starts after token a drafts a+1.. and accepts
     them while they equal the answer. Like the loop, it drafts no more than leaves room for the verifier's token
     within max_new."""
     n = answer.numel()
-    round_by_round = head.stateful and head.context == "top"
-    if not round_by_round:
-        hits = (first_drafts(head, adapter, states, p, n) == answer).tolist()
-    steps, accepted, a = 1, 0, 0
+    rounds = TopRounds(head, adapter, states) if head.stateful and head.context == "top" else None
+    hits = None if rounds else (first_drafts(head, adapter, states, p, n) == answer).tolist()
+    steps, a = 1, 0
     while a + 1 < n:
-        room = max(0, min(k, max_new - a - 2))
-        if round_by_round and room:  # final states before the round, layer-E states from its first input on
-            r = p + a  # position of the round's pending token (answer token a)
-            end = min(r + room, p + n - 1)
-            logits = head.teacher_forced(states[head.exit_layer][:, :end], states[-1][:, :end], adapter,
-                                         round_len=k, offset=r % k)[0, r:end]
-            drafts = to_ids(head, logits.argmax(-1))
-            ok = (drafts == answer[a + 1 : a + 1 + len(drafts)]).tolist()
-        elif round_by_round:
-            ok = []
+        room = max(0, min(k, max_new - a - 2, n - 1 - a))
+        if rounds is not None:
+            ok = (rounds.drafts(p + a, room) == answer[a + 1 : a + 1 + room]).tolist() if room else []
         else:
             ok = hits[a + 1 : a + 1 + room]
         m = next((i for i, good in enumerate(ok) if not good), len(ok))
-        steps, accepted, a = steps + 1, accepted + m, a + m + 1
-    return steps, accepted
+        steps, a = steps + 1, a + m + 1
+    return steps
+
+
+class TopRounds:
+    """Drafts of a context="top" attention head, round by round, as the decode loop feeds it: its cache holds
+    final states up to the round's first position r, then the round's layer-E states. Rounds only move forward,
+    so each call adds the final states of the positions verified since the last one and cuts the last round's
+    layer-E entries: linear in the text, not quadratic."""
+
+    def __init__(self, head, adapter, states):
+        from selfspec.cache import SpecCache
+
+        self.head, self.adapter = head, adapter
+        self.early, self.top = states[head.exit_layer], states[-1]  # (1, T, H)
+        self.cache, self.have_top = SpecCache(1), 0  # slots [0, have_top) hold final states
+
+    def _attend(self, hidden, start: int) -> torch.Tensor:
+        from selfspec.masks import build_mask
+
+        t = hidden.shape[1]
+        slots = torch.arange(start + t)[None]
+        mask = build_mask(slots, slots[:, start:], start, self.adapter.window(self.head.source_layer),
+                          hidden.dtype, self.adapter.attn_impl)
+        return self.head.attend(hidden, self.adapter, slots[:, start:], mask, self.cache)
+
+    def drafts(self, r: int, room: int) -> torch.Tensor:
+        """(room,) draft ids for positions r+1 .. r+room of a round whose pending token sits at position r."""
+        self.cache.rollback(self.have_top)
+        if self.have_top < r:
+            self._attend(self.top[:, self.have_top : r], self.have_top)
+            self.have_top = r
+        out = self._attend(self.early[:, r : r + room], r)
+        return to_ids(self.head, self.head.logits(out, self.adapter)[0].argmax(-1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -208,7 +232,7 @@ def main(argv=None) -> int:
             hits = (first_drafts(head, adapter, states, p, answer.numel())[1:] == answer[1:]).sum()
             t = replays[key]
             t.add_agreement(prompt.category, int(hits), answer.numel() - 1)
-            steps, _ = replay(head, adapter, states, answer, p, cfg.max_draft_tokens, cfg.max_new_tokens)
+            steps = replay(head, adapter, states, answer, p, cfg.max_draft_tokens, cfg.max_new_tokens)
             t.steps, t.tokens = t.steps + steps, t.tokens + answer.numel()
         # the measured settings, in an order that rotates per prompt
         for j in range(len(measure)):
