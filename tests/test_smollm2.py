@@ -48,3 +48,33 @@ def test_padded_batch_on_real_model(smollm2, prompts):
     for r, ref in enumerate(rows):
         new = ref[0, ref.shape[1] - (ref.shape[1] - len(tok(texts[r], add_special_tokens=False)["input_ids"])):]
         assert out[r, width : width + new.numel()].tolist() == new.tolist()
+
+
+@pytest.mark.parametrize("design", ["shipped-mlp", "attn-early", "attn-top"])
+def test_greedy_identity_with_each_head_design(smollm2, prompts, design):
+    """The shipped MLP heads and both attention-head contexts (a perturbed copy of layer 8, its drafts neither
+    all right nor all wrong) keep SmolLM2's greedy output unchanged."""
+    from selfspec.heads import AttentionHead
+    from selfspec.pretrained import shipped_dir
+
+    model, tok = smollm2
+    ids = prompts[0]
+    ref = model.generate(ids, max_new_tokens=32, do_sample=False)
+    if design == "shipped-mlp":
+        selfspec.wrap(model, shipped_dir("smollm2-135m"), exit_layer=8, max_draft_tokens=4,
+                      draft_confidence_threshold=0.0)
+    else:
+        selfspec.wrap(model, exit_layer=8, max_draft_tokens=4)
+        head = AttentionHead.from_model(model.selfspec.adapter, 8, context=design.split("-")[1])
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in head.layer.parameters():
+                p.mul_(1 + 0.05 * torch.randn_like(p))
+        model.selfspec.add_head(head)
+    try:
+        out = model.generate(ids, max_new_tokens=32, do_sample=False)
+        stats = model.selfspec.last_stats
+    finally:
+        selfspec.unwrap(model)
+    assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+    assert stats.drafted_tokens > 0
