@@ -240,3 +240,36 @@ def test_saving_again_keeps_the_stored_dtype(tmp_path):
     model.selfspec.save_pretrained(tmp_path / "b")
     with safe_open(str(tmp_path / "b" / "heads.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys() if "vocab" not in k} == {"BF16"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
+    """train.eval_heads replays greedy drafting from one teacher-forced pass; its verify-step count must equal the
+    real loop's for every design (the README's eval table rests on it)."""
+    from train.eval_heads import replay
+
+    model = make_model("llama", 4)
+    adapter = selfspec.arch.adapter_for(model)
+    head = _heads(model=model)[kind]
+    with torch.no_grad():  # milder heads than the other tests': this one needs accepted drafts
+        for p in (head.down.parameters() if kind == "mlp" else []):
+            p.mul_(0.1)
+        if kind.startswith("attn"):
+            head.layer.load_state_dict(model.model.layers[2].state_dict())
+    accepted = 0
+    for seed in range(6):
+        ids = prompt(seed=seed)
+        p, gen = ids.shape[1], dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
+        ref = model.generate(ids, **gen)
+        selfspec.wrap(model, exit_layer=2, max_draft_tokens=4)
+        model.selfspec.add_head(head)
+        try:
+            assert torch.equal(model.generate(ids, **gen), ref)
+            stats = model.selfspec.last_stats
+        finally:
+            selfspec.unwrap(model)
+        with torch.no_grad():
+            states = model(ref, output_hidden_states=True).hidden_states
+        accepted += stats.accepted_tokens
+        assert replay(head, adapter, states, ref[0, p:], p, 4, 30) == stats.verify_steps, seed
+    assert accepted > 0
