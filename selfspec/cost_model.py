@@ -24,6 +24,7 @@ import torch
 from .cache import SlotTable, SpecCache
 from .drafters.early_exit import EarlyExitDrafter
 from .forward import StepContext, forward_early
+from .heads import teacher_forced_logits
 
 
 # --- acceptance -----------------------------------------------------------------------------------------------
@@ -67,13 +68,10 @@ def _head_drafts(engine, exit_layer: int, states, answer: slice) -> tuple[torch.
     """Draft token ids (N,) and the head's top probability (N,) at the `answer` rows of a text whose hidden
     states (HF's tuple: embeddings, each layer's output, the last one final-normed) are given."""
     head = engine.head_for(exit_layer)
-    if head.stateful:  # an attention head reads the whole text; its context as when drafting a first token
-        logits = head.teacher_forced(states[exit_layer], states[-1], engine.adapter)[0, answer].float()
-    else:
-        logits = head(states[exit_layer][:, answer], engine.adapter)[0].float()  # (N, V_draft)
+    logits = teacher_forced_logits(head, states, engine.adapter, answer).float()  # (N, V_draft)
     probs = logits.softmax(-1)
     conf, idx = probs.max(-1)
-    tokens = idx if head.vocab_ids is None else head.vocab_ids.to(idx.device)[idx]
+    tokens = head.token_ids(idx)
     return tokens, conf
 
 

@@ -34,6 +34,10 @@ class ExitHead(nn.Module):
         h = self.transform(hidden, adapter)
         return adapter.logits(adapter.final_norm(h), self.vocab_ids)
 
+    def token_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into this head's logits (any shape) -> token ids of the full vocabulary."""
+        return idx if self.vocab_ids is None else self.vocab_ids.to(idx.device)[idx]
+
     def spec(self) -> dict:
         """JSON-able description from which `build_head` rebuilds the module before loading weights."""
         return {"kind": self.kind, "exit_layer": self.exit_layer,
@@ -199,6 +203,15 @@ class AttentionHead(ExitHead):
         positions = torch.cat([j, j]).expand(b, 2 * t)
         out = self.attend(torch.cat([top, early], dim=1), adapter, positions, mask[:, None])
         return self.logits(out[:, t:], adapter)
+
+
+def teacher_forced_logits(head: ExitHead, states, adapter: ArchAdapter, rows: slice) -> torch.Tensor:
+    """(N, V_draft) draft logits at `rows` of one text, from HF's hidden states of it (embeddings, each layer's
+    output, the last one final-normed): each row drafting the next token; an attention head sees the context
+    of a round's first draft (final states before it)."""
+    if head.stateful:
+        return head.teacher_forced(states[head.exit_layer], states[-1], adapter)[0, rows]
+    return head(states[head.exit_layer][:, rows], adapter)[0]
 
 
 def frequent_token_ids(token_ids: torch.Tensor, size: int, always: list[int] | None = None) -> torch.Tensor:

@@ -97,15 +97,10 @@ def load_designs(model, cfg: EvalConfig) -> dict:
 def first_drafts(head, adapter, states, p: int, n: int) -> torch.Tensor:
     """(n,) the head's draft for answer token i made from the state of the token before it (all rounds' first
     drafts; for stateless and context="early" heads also every later draft, since their inputs are the same)."""
-    if head.stateful:
-        logits = head.teacher_forced(states[head.exit_layer], states[-1], adapter)[0, p - 1 : p - 1 + n]
-    else:
-        logits = head(states[head.exit_layer][:, p - 1 : p - 1 + n], adapter)[0]
-    return to_ids(head, logits.argmax(-1))
+    from selfspec.heads import teacher_forced_logits
 
-
-def to_ids(head, idx: torch.Tensor) -> torch.Tensor:
-    return idx if head.vocab_ids is None else head.vocab_ids.to(idx.device)[idx]
+    logits = teacher_forced_logits(head, states, adapter, slice(p - 1, p - 1 + n))  # (n, V_draft)
+    return head.token_ids(logits.argmax(-1))
 
 
 @torch.no_grad()
@@ -159,7 +154,7 @@ class TopRounds:
             self._attend(self.top[:, self.have_top : r], self.have_top)
             self.have_top = r
         out = self._attend(self.early[:, r : r + room], r)
-        return to_ids(self.head, self.head.logits(out, self.adapter)[0].argmax(-1))
+        return self.head.token_ids(self.head.logits(out, self.adapter)[0].argmax(-1))
 
 
 # ----------------------------------------------------------------------------------------------------------------

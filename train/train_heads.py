@@ -111,10 +111,14 @@ def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, se
         parts["seq"].append(seq_of_row[keep] + seq_base)
         seq_base += len(offsets) - 1
     data = {k: torch.cat(v) for k, v in parts.items()}
-    g = torch.Generator().manual_seed(seed)
-    held = torch.randperm(seq_base, generator=g)[: max(1, int(seq_base * holdout_fraction))]
-    is_held = torch.isin(data["seq"], held)
+    is_held = torch.isin(data["seq"], held_out_sequences(seq_base, holdout_fraction, seed))
     return ({k: v[~is_held] for k, v in data.items()}, {k: v[is_held] for k, v in data.items()}, manifest)
+
+
+def held_out_sequences(n_seqs: int, fraction: float, seed: int) -> torch.Tensor:
+    """Indices of the sequences kept out of training (at least one), the same for row and sequence loading."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n_seqs, generator=g)[: max(1, int(n_seqs * fraction))]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -149,7 +153,7 @@ def agreement(head, rows, key, adapter, chunk=4096) -> float:
     for i in range(0, len(rows["teacher_top1"]), chunk):
         h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
         pred = head(h, adapter).argmax(-1)
-        ids = pred if head.vocab_ids is None else head.vocab_ids[pred]
+        ids = head.token_ids(pred)
         hits += int((ids.cpu() == rows["teacher_top1"][i : i + chunk].long()).sum())
     return hits / max(1, len(rows["teacher_top1"]))
 
@@ -168,8 +172,7 @@ def load_sequences(data_dir: str, exit_layers: list[int], holdout_fraction: floa
             seq = {k: shard[k][rows] for k in keys}
             seq["loss"] = shard["positions"][rows] >= shard["seq_prompt_len"][i] - 1  # rows predicting the answer
             seqs.append(seq)
-    g = torch.Generator().manual_seed(seed)
-    held = set(torch.randperm(len(seqs), generator=g)[: max(1, int(len(seqs) * holdout_fraction))].tolist())
+    held = set(held_out_sequences(len(seqs), holdout_fraction, seed).tolist())
     return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
 
 
@@ -200,7 +203,7 @@ def attention_agreement(head, seqs, adapter, cfg, round_len=1) -> float:
     for i in range(0, len(seqs), cfg.seq_batch):
         logits, _, top1 = attention_step(head, seqs[i : i + cfg.seq_batch], adapter, cfg, round_len)
         pred = logits.argmax(-1)
-        ids = pred if head.vocab_ids is None else head.vocab_ids[pred]
+        ids = head.token_ids(pred)
         hits, total = hits + int((ids == top1).sum()), total + len(top1)
     return hits / max(1, total)
 
