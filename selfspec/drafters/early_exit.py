@@ -84,7 +84,7 @@ class HeadCache:
     def __init__(self, head: ExitHead, state):
         self.head, self.cache = head, SpecCache(1)
         early, top = state.prompt_hidden  # (B, T0, H) each, from prefill
-        if early.shape[-1] != top.shape[-1] or state.prefill_exit_layer != head.exit_layer:
+        if state.prefill_exit_layer != head.exit_layer:
             raise ValueError(f"The prefill ran to layer {state.prefill_exit_layer}, but the head exits at "
                              f"layer {head.exit_layer}; set config.exit_layer to the head's layer.")
         self.feed(state, top if head.context == "top" else early, state.prompt_positions)
