@@ -62,11 +62,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from selfspec.prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES  # the Spec-Bench split, defined once
+
 FORMAT_VERSION = 2
 
-# Spec-Bench split used by the project (see /work/shared/data/spec_bench/README.md).
-TRAIN_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-EVAL_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
 
 COLLECT_DEFAULTS = {
     "questions": None,  # None: the Spec-Bench copy shipped in the package (selfspec/assets/spec_bench)
