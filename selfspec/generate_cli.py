@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-layer", type=int, default=None, help="override the exit layer")
     p.add_argument("--max-draft-tokens", type=int, default=None, help="override the draft length K")
     p.add_argument("--drafter", default=None, help="early_exit, ngram, hybrid or none")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model precision; auto = the checkpoint's dtype, or for the embedded model bfloat16 where "
+                        "the CPU/GPU computes it in hardware, else float32 (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
     return p
 
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {k: v for k, v in (("exit_layer", args.exit_layer), ("max_draft_tokens", args.max_draft_tokens),
                                    ("drafter", args.drafter)) if v is not None}
-    model, tok = from_pretrained(args.model, heads=args.heads, **overrides)
+    model, tok = from_pretrained(args.model, heads=args.heads, dtype=args.dtype, **overrides)
     if args.chat:
         ids = chat_input_ids(tok, args.prompt)
     else:

