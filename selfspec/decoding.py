@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import SlotTable, SpecCache
+from .distributed import agree_across_ranks
 from .drafters.base import Draft, Drafter
 from .forward import StepContext, forward_early, forward_remainder
 from .processing import PrefixProcessor
@@ -152,10 +153,10 @@ def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
 
 
 def choose(state: DecodeState, draft: Draft, logits: torch.Tensor):
-    """Accepted drafts n (B,) and the verifier's token (B,)."""
+    """Accepted drafts n (B,) and the verifier's token (B,), the same on every rank of a tensor-parallel job."""
     if not state.do_sample:
-        return verify_greedy(draft.tokens, logits, draft.draft_len)
-    return verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len)
+        return agree_across_ranks(*verify_greedy(draft.tokens, logits, draft.draft_len))
+    return agree_across_ranks(*verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len))
 
 
 def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, logits: torch.Tensor) -> list[int]:
