@@ -236,6 +236,7 @@ def _decode_steps(ctx, drafter, state, settings, stats) -> None:
     t0 = time.perf_counter()
     logits = prefill(state, settings.exit_layer)
     first = sample(logits_to_probs(logits[:, 0])) if state.do_sample else logits[:, 0].argmax(-1)
+    first = agree_across_ranks(torch.zeros_like(first), first)[1]
     counts = emit(state, Draft.empty(state.batch, state.device), torch.zeros_like(first), first, logits)
     rollback_noop(state, first)
     drafter.begin(state)
