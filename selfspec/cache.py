@@ -33,6 +33,7 @@ class SpecLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.length = 0
         self._k = self._v = None
+        self.min_capacity = 64  # slots of the first allocation (SpecCache.reserve raises it to a call's need)
 
     def lazy_initialization(self, key_states, value_states):
         self.device = key_states.device
@@ -42,7 +43,7 @@ class SpecLayer(DynamicLayer):
         capacity = 0 if self._k is None else self._k.shape[-2]
         if needed <= capacity:
             return
-        new_cap = max(needed, 2 * capacity, 64)
+        new_cap = max(needed, 2 * capacity, self.min_capacity)
         k = like_k.new_empty((*like_k.shape[:-2], new_cap, like_k.shape[-1]))
         v = like_v.new_empty((*like_v.shape[:-2], new_cap, like_v.shape[-1]))
         if self.length:
@@ -108,6 +109,12 @@ class SpecCache(Cache):
         """Append a layer (for a head with its own attention); returns its index."""
         self.layers.append(SpecLayer())
         return len(self.layers) - 1
+
+    def reserve(self, capacity: int) -> None:
+        """Allocate `capacity` slots per layer at the first write: a decode call knows its longest sequence
+        (max_length + K + 1), so no layer has to grow and copy its KV in the middle of decoding."""
+        for layer in self.layers:
+            layer.min_capacity = max(layer.min_capacity, capacity)
 
     def rollback(self, length: int) -> None:
         """Cut every layer longer than `length` back to `length`: the accepted prefix after verification."""

@@ -65,6 +65,9 @@ class DecodeSettings:
     criteria: list = field(default_factory=list)  # stopping criteria beyond EOS and max length
     streamer: object = None
     output_scores: bool = False
+    # Synchronise the device around drafting and verification so that the per-phase seconds in the stats are
+    # true on a GPU (the calibrator's cost model reads them). Off by default: each sync stalls the pipeline.
+    timed: bool = False
 
 
 @dataclass
@@ -96,6 +99,13 @@ class DecodeState:
         self.finished = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
         self.eos = torch.tensor(settings.eos_token_ids or [-1], device=self.device)
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.batch)]
+        # host copies of seq_len and finished, refreshed by emit's one transfer per step, so that the loop's
+        # decisions (draft budget, rollback length, when to stop) never wait on the device
+        self.lengths: list[int] = [self.prompt_len] * self.batch
+        self.done: list[bool] = [False] * self.batch
+        self.capacity = capacity
+        self.keep_prompt_hidden = False  # set from the drafter: only heads with a cache of their own need them
+        self.prompt_hidden = None
 
     @property
     def adapter(self):
@@ -113,12 +123,22 @@ class DecodeState:
         self.seq.scatter_(1, (self.seq_len + j)[:, None], tokens[:, None])
 
     def generated(self, row: int) -> torch.Tensor:
-        return self.seq[row, self.prompt_len : int(self.seq_len[row])]
+        return self.seq[row, self.prompt_len : self.lengths[row]]
+
+    def remaining(self) -> int:
+        """Most tokens an unfinished row may still emit."""
+        return max((self.settings.max_length - n for n, d in zip(self.lengths, self.done) if not d), default=0)
 
 
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def draft_budget(max_draft_tokens: int, remaining: int) -> int:
+    """Drafts to propose this step: at most K, and one fewer than the tokens left, since the verifier always
+    adds one token of its own. The one statement of this rule; replays of the loop import it."""
+    return max(0, min(max_draft_tokens, remaining - 1))
 
 
 def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
@@ -128,12 +148,14 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
         mask = torch.ones_like(ids)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     state.ctx.slots.has_holes = state.batch > 1 or bool((mask == 0).any())
+    state.ctx.cache.reserve(state.capacity)
     early = forward_early(state.ctx, ids, positions, exit_layer, positions.masked_fill(mask == 0, -1))
     out = forward_remainder(state.ctx, early.hidden, positions, exit_layer)
     state.pos = mask.long().sum(-1)  # position of the first generated token
-    # layer-E and final-normed states of the prompt, and its positions, for heads with a cache of their own
-    state.prompt_hidden, state.prompt_positions, state.prefill_exit_layer = (early.hidden, out.hidden), positions, \
-        exit_layer
+    state.prompt_positions, state.prefill_exit_layer = positions, exit_layer
+    # layer-E and final-normed states of the whole prompt, (B, T0, H) each: only heads with a cache of their own
+    # read them (in Drafter.begin, after which the loop drops them), so other drafters never hold them
+    state.prompt_hidden = (early.hidden, out.hidden) if state.keep_prompt_hidden else None
     return state.process(out.logits(state.adapter, last_only=True).float())
 
 
@@ -159,9 +181,9 @@ def choose(state: DecodeState, draft: Draft, logits: torch.Tensor):
     return agree_across_ranks(*verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len))
 
 
-def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, logits: torch.Tensor) -> list[int]:
+def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, logits: torch.Tensor) -> "Emitted":
     """Append accepted drafts + the verifier's token to each unfinished row, stopping at EOS / max length /
-    other criteria. Returns the tokens emitted per row."""
+    other criteria. Returns what the host needs of this step, fetched in one transfer."""
     k = draft.k
     emitted = torch.cat([draft.tokens, token[:, None]], dim=1).scatter_(1, n[:, None], token[:, None])
     j = torch.arange(k + 1, device=state.device)[None, :]
@@ -170,21 +192,36 @@ def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor,
     first_stop = torch.where(stops.any(1), stops.float().argmax(1), torch.full_like(n, k + 1))
     count = torch.minimum(n + 1, first_stop + 1).masked_fill(state.finished, 0)
     done = state.finished | stops.any(1)
-    counts = count.tolist()
     state.seq.scatter_(1, (state.seq_len + n)[:, None], token[:, None])  # the verifier's token after the drafts
+    counts, accepted, done_list, draft_len = torch.stack(  # the step's one device -> host transfer
+        [count, n, done.long(), draft.draft_len]).tolist()
     if state.settings.criteria:
-        counts, done = _apply_criteria(state, counts, done, logits)
+        counts, done_list = _apply_criteria(state, counts, done_list, logits)
+        count, done = torch.tensor(counts, device=state.device), torch.tensor(done_list, device=state.device)
     _record(state, counts, logits)
-    state.seq_len += torch.tensor(counts, device=state.device)
+    live = [not d for d in state.done]
+    state.seq_len += count
     state.finished = done
-    return counts
+    state.lengths = [a + c for a, c in zip(state.lengths, counts)]
+    state.done = [bool(d) for d in done_list]
+    return Emitted(counts, accepted, draft_len, live)
+
+
+@dataclass
+class Emitted:
+    """Host-side lists (one entry per row) of one step's outcome."""
+
+    counts: list[int]  # tokens appended to each row
+    accepted: list[int]  # drafts the verifier accepted (before stops cut the row)
+    draft_len: list[int]  # drafts proposed
+    live: list[bool]  # rows that were unfinished when the step began
 
 
 def _apply_criteria(state, counts, done, logits):
     """Extra stopping criteria (stop strings, user criteria) need the row's text after every token."""
-    done = done.clone()
+    counts, done = list(counts), list(done)
     for b, c in enumerate(counts):
-        start = int(state.seq_len[b])
+        start = state.lengths[b]
         for j in range(c):
             prefix = state.seq[b : b + 1, : start + j + 1]
             if any(bool(crit(prefix, logits[b : b + 1, j]).any()) for crit in state.settings.criteria):
@@ -195,22 +232,26 @@ def _apply_criteria(state, counts, done, logits):
 
 
 def _record(state, counts, logits):
-    streamer = state.settings.streamer
+    streamer, scores = state.settings.streamer, state.settings.output_scores
+    if streamer is None and not scores:
+        return
     for b, c in enumerate(counts):
         if not c:
             continue
-        start = int(state.seq_len[b])
+        start = state.lengths[b]
         if streamer is not None:  # batch 1 only, like HF (its streamers raise on the prompt put otherwise)
             streamer.put(state.seq[b, start : start + c].cpu())
-        if state.settings.output_scores:
+        if scores:
             state.scores[b].extend(logits[b, :c].unbind(0))
 
 
-def rollback(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, base: int) -> None:
-    """Keep the verified inputs (pending + accepted drafts) of each row in the cache; the rest become holes."""
+def rollback(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, base: int,
+             accepted: list[int]) -> None:
+    """Keep the verified inputs (pending + accepted drafts) of each row in the cache; the rest become holes.
+    `accepted` is n on the host (emit fetched it), so the new length costs no device sync."""
     keep = n + 1
     ctx = state.ctx
-    new_len = base + int(keep.max())
+    new_len = base + max(accepted) + 1
     ctx.slots.keep_prefix(base, keep, base + draft.k + 1)
     ctx.cache.rollback(new_len)
     state.pos = state.pos + keep
@@ -234,41 +275,44 @@ def speculative_decode(ctx: StepContext, drafter: Drafter, input_ids, attention_
 def _decode_steps(ctx, drafter, state, settings, stats) -> None:
     """Prefill, then draft -> verify -> emit -> rollback until every row has finished."""
     t0 = time.perf_counter()
+    state.keep_prompt_hidden = drafter.needs_prompt_hidden
     logits = prefill(state, settings.exit_layer)
     first = sample(logits_to_probs(logits[:, 0])) if state.do_sample else logits[:, 0].argmax(-1)
     first = agree_across_ranks(torch.zeros_like(first), first)[1]
-    counts = emit(state, Draft.empty(state.batch, state.device), torch.zeros_like(first), first, logits)
+    step = emit(state, Draft.empty(state.batch, state.device), torch.zeros_like(first), first, logits)
     rollback_noop(state, first)
     drafter.begin(state)
-    _sync(state.device)
+    state.prompt_hidden = None  # read by begin only; a long prompt's (B, T0, H) states are not kept
+    if settings.timed:
+        _sync(state.device)
     stats.prefill_seconds = time.perf_counter() - t0
-    stats.new_tokens, stats.verify_steps = sum(counts), state.batch
-    while not bool(state.finished.all()):
+    stats.new_tokens, stats.verify_steps = sum(step.counts), state.batch
+    while not all(state.done):
         _speculative_step(ctx, drafter, state, settings, stats)
 
 
 def _speculative_step(ctx, drafter, state, settings, stats) -> None:
     """One draft -> verify -> emit -> rollback round over the whole batch, with its stats."""
-    live = ~state.finished
-    remaining = int((settings.max_length - state.seq_len).masked_fill(state.finished, 0).max())
-    k = max(0, min(settings.max_draft_tokens, remaining - 1))  # the verifier adds one token of its own
+    k = draft_budget(settings.max_draft_tokens, state.remaining())
     base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)  # the verified prefix
     t0 = time.perf_counter()
     draft = drafter.propose(state, k)
-    _sync(state.device)
+    if settings.timed:
+        _sync(state.device)
     t1 = time.perf_counter()
     logits = verify(state, draft, settings.exit_layer)
     n, token = choose(state, draft, logits)
-    counts = emit(state, draft, n, token, logits)
-    rollback(state, draft, n, token, base)
+    step = emit(state, draft, n, token, logits)
+    rollback(state, draft, n, token, base, step.accepted)
     drafter.accepted(state, draft, n)
-    _sync(state.device)
+    if settings.timed:
+        _sync(state.device)
     stats.draft_seconds += t1 - t0
     stats.verify_seconds += time.perf_counter() - t1
-    stats.verify_steps += int(live.sum())
-    stats.new_tokens += sum(counts)
-    stats.drafted_tokens += int(draft.draft_len[live].sum())
-    stats.accepted_tokens += sum(min(a, c) for a, c in zip(n.tolist(), counts))
+    stats.verify_steps += sum(step.live)
+    stats.new_tokens += sum(step.counts)
+    stats.drafted_tokens += sum(d for d, live in zip(step.draft_len, step.live) if live)
+    stats.accepted_tokens += sum(min(a, c) for a, c in zip(step.accepted, step.counts))
 
 
 def rollback_noop(state: DecodeState, first: torch.Tensor) -> None:
@@ -278,7 +322,7 @@ def rollback_noop(state: DecodeState, first: torch.Tensor) -> None:
 
 def _sequences(state: DecodeState) -> torch.Tensor:
     """Rows padded on the right with pad_token_id to the longest row, as HF's generate returns them."""
-    length = int(state.seq_len.max())
+    length = max(state.lengths)
     out = state.seq[:, :length].clone()
     j = torch.arange(length, device=state.device)[None, :]
     return out.masked_fill(j >= state.seq_len[:, None], state.settings.pad_token_id)

@@ -29,6 +29,12 @@ def build_mask(slot_pos, q_pos, q_start, window, dtype, impl):
     )
 
 
-def needs_mask(has_holes: bool, t: int, kv_len: int, window: int | None) -> bool:
-    """A single query over a dense prefix shorter than the window attends to everything: no mask needed."""
-    return has_holes or t > 1 or (window is not None and kv_len > window)
+def needs_mask(has_holes: bool, t: int, q_start: int, window: int | None, impl: str) -> bool:
+    """Whether T queries entering slots [q_start, q_start + T) need an explicit mask.
+
+    None suffices when nothing beyond plain causality would be masked (no holes, prefix within the window) and
+    either there is one query (it sees every slot) or the queries start the cache under sdpa, whose own causal
+    mask (is_causal, aligned to the top left) is then exactly right. This spares a prefill the (B, 1, T, T) mask."""
+    if has_holes or (window is not None and q_start + t > window):
+        return True
+    return not (t == 1 or (q_start == 0 and impl == "sdpa"))

@@ -54,7 +54,8 @@ def _lookup(seq, prompt_len, mask=None, k=3, eos=(2,), finished=None):
     seq = torch.tensor(seq)
     eos_t = torch.tensor(eos)
     state = SimpleNamespace(
-        seq=seq, seq_len=torch.full((seq.shape[0],), seq.shape[1]), mask=mask, prompt_len=prompt_len,
+        seq=seq, seq_len=torch.full((seq.shape[0],), seq.shape[1]), lengths=[seq.shape[1]] * seq.shape[0],
+        mask=mask, prompt_len=prompt_len,
         finished=torch.zeros(seq.shape[0], dtype=torch.bool) if finished is None else torch.tensor(finished),
         is_eos=lambda t: torch.isin(t, eos_t))
     drafter = NgramDrafter(3, 1)

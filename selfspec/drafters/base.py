@@ -31,6 +31,9 @@ class Drafter:
 
     name = "none"
     uses_early_layers = False
+    # Whether `begin` reads state.prompt_hidden, the (B, T0, H) layer-E and final states of the prompt; the loop
+    # keeps them through prefill only for drafters that say so.
+    needs_prompt_hidden = False
 
     def begin(self, state) -> None:
         """Called once after prefill."""

@@ -19,6 +19,7 @@ class EarlyExitDrafter(Drafter):
         self.exit_layer = head.exit_layer
         self.threshold = confidence_threshold
         self.head_cache: HeadCache | None = None
+        self.needs_prompt_hidden = head.stateful  # a head with a KV cache of its own takes the prompt in first
 
     def begin(self, state) -> None:
         self.head_cache = HeadCache(self.head, state) if self.head.stateful else None

@@ -46,6 +46,7 @@ class HybridDrafter(Drafter):
         self.early, self.ngram = early, ngram
         self.min_match, self.extend = min_match, extend
         self.steps: Counter = Counter()  # steps per path: "ngram", "early_exit", "mixed" (some rows of each)
+        self.needs_prompt_hidden = early.needs_prompt_hidden
 
     def begin(self, state) -> None:
         self.ngram.begin(state)

@@ -89,7 +89,7 @@ class NgramDrafter(Drafter):
 
     def _text(self, state) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L) tokens of every row up to the longest, padding replaced by _PAD; (B,) index of last tokens."""
-        length = int(state.seq_len.max())
+        length = max(state.lengths)  # host copy: no device sync
         text = state.seq[:, :length]
         if self.prompt_pad is not None and bool(self.prompt_pad.any()):
             pad = torch.nn.functional.pad(self.prompt_pad, (0, length - self.prompt_pad.shape[1]), value=False)
