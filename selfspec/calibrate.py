@@ -1019,7 +1019,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--max-prompts", type=int, help="override measure.max_prompts")
     p.add_argument("--max-new-tokens", type=int, help="override measure.max_new_tokens")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default float32 on CPU, else bf16)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model precision; auto = the checkpoint's dtype, or for the embedded model bfloat16 where "
+                        "the device computes it in hardware, else float32 (default: auto)")
     p.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
     return p.parse_args(argv)
 
@@ -1040,10 +1042,8 @@ def _load_model(args):
     from .models import resolve_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
-    if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-        raise ValueError(f"--dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float16.")
-    model, tokenizer = resolve_model(args.model, dtype=getattr(torch, dtype), device=device)
+    # the plain baseline is this same model object unwrapped, so it always runs in the wrapped model's dtype
+    model, tokenizer = resolve_model(args.model, dtype=args.dtype, device=device)
     if args.heads:
         wrap(model, args.heads)  # config and heads saved by save_pretrained
     return model, tokenizer
