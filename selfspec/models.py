@@ -17,10 +17,12 @@ Cache layout (root = $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec, else
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -106,7 +108,78 @@ def _known(name: str) -> _GgufModel:
     try:
         return _KNOWN_MODELS[name]
     except KeyError:
-        raise ValueError(f"Unknown model name {name!r}; known: {sorted(_KNOWN_MODELS)}") from None
+        raise ValueError(_unknown_model_message(name)) from None
+
+
+# ---------------------------------------------------------------------------
+# name resolution: known short name, then local directory, then hub id -- decided before any network access
+
+# owner/name as the hub spells repository ids (one slash, no leading '.', '/' or '~')
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_TRUE = {"1", "ON", "YES", "TRUE"}  # what huggingface_hub accepts as true in HF_HUB_OFFLINE
+
+
+def known_model_names() -> list[str]:
+    """Short names `resolve_model` loads from the package itself (no hub, no directory)."""
+    return sorted(_KNOWN_MODELS)
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in _TRUE
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether a hub model's config is already in the local Hugging Face cache (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except (ImportError, ValueError):  # ValueError: not a valid repo id
+        return False
+
+
+def _unknown_model_message(name: str) -> str:
+    known = known_model_names()
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"Unknown model {name!r}{hint}: pass a known short name ({', '.join(known)}), a local model directory "
+            "or a Hugging Face hub id owner/name.")
+
+
+def locate_model(name_or_path: str | os.PathLike) -> str:
+    """Where `resolve_model` will load from: "known" (a short name from `known_model_names`), "local" (a
+    directory holding config.json) or "hub" (an owner/name id).
+
+    Decided without the network, so that a typo fails at once with one line naming the known short names
+    instead of waiting on hub retries: a name that is neither known nor an existing directory must look like
+    owner/name (or already be in the local Hugging Face cache), and with HF_HUB_OFFLINE set it must be cached.
+    """
+    name = str(name_or_path)
+    if name in _KNOWN_MODELS:
+        return "known"
+    path = Path(name).expanduser()
+    known = ", ".join(known_model_names())
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{name!r} is a directory but not a Hugging Face model directory (it has no config.json): pass the "
+                f"directory model.save_pretrained wrote, or a known short name ({known}).")
+        return "local"
+    if path.exists():
+        raise ValueError(f"{name!r} is a file: pass the model's directory (the one holding config.json).")
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name:
+        raise FileNotFoundError(f"No such model directory: {name!r}. Pass an existing directory holding config.json "
+                                f"or a known short name ({known}).")
+    if _in_hub_cache(name):
+        return "hub"
+    if not _HUB_ID.match(name):
+        raise ValueError(_unknown_model_message(name))
+    if hub_offline():
+        raise ValueError(
+            f"Model {name!r} is not a known short name ({known}), not a local directory "
+            "and not in the Hugging Face cache, and HF_HUB_OFFLINE is set, so the hub is not asked: pass a local "
+            "model directory, or download it with HF_HUB_OFFLINE unset.")
+    return "hub"
 
 
 def _source_record(gguf: Path) -> dict:
@@ -316,6 +389,17 @@ def _finish(model, device):
     return model.eval()
 
 
+def converted_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """A known model as a plain Hugging Face directory, for `AutoModelForCausalLM.from_pretrained(path)` and
+    `AutoTokenizer.from_pretrained(path)`; converts its GGUF into the cache on first use (~30 s)."""
+    gguf = find_gguf(name)  # raises the install hint if the package is missing
+    cache_dir = model_cache_dir(name)
+    record = _source_record(gguf)
+    if not _cache_matches(cache_dir, record):
+        _build_atomically(cache_dir, lambda tmp: _convert_gguf(gguf, tmp))
+    return cache_dir
+
+
 def load_default_model(
     name: str = DEFAULT_MODEL,
     dtype: torch.dtype | str | None = "auto",
@@ -329,12 +413,7 @@ def load_default_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = find_gguf(name)  # raises the install hint if the package is missing
-    cache_dir = model_cache_dir(name)
-    record = _source_record(gguf)
-    if not _cache_matches(cache_dir, record):
-        _build_atomically(cache_dir, lambda tmp: _convert_gguf(gguf, tmp))
-
+    cache_dir = converted_model_dir(name)
     model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=resolve_dtype(dtype, device))
     tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(cache_dir), require_chat_template=True)
     return _finish(model, device), tok
@@ -351,15 +430,24 @@ def resolve_model(
     ``dtype="auto"`` does; the embedded model, whose GGUF states none, gets `default_dtype(device)`.
 
     Known short names (``"smollm2-135m"``) win over a same-named relative directory;
-    write ``./smollm2-135m`` to mean the directory.
+    write ``./smollm2-135m`` to mean the directory. A name that is none of the three fails at once
+    (`locate_model`), before any network access.
     """
-    if str(name_or_path) in _KNOWN_MODELS:
+    where = locate_model(name_or_path)
+    if where == "known":
         return load_default_model(str(name_or_path), dtype=dtype, device=device)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     want = "auto" if dtype is None or dtype == "auto" else resolve_dtype(dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=want)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=want)
+    except OSError as err:
+        if where != "hub":
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise OSError(f"Could not load {str(name_or_path)!r} from the Hugging Face hub ({first}). Known short "
+                      f"names: {', '.join(known_model_names())}; for a local model pass its directory.") from err
     # Base models often lack a chat template; callers decide whether they need one.
     tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path), require_chat_template=False)
     return _finish(model, device), tok
@@ -369,11 +457,15 @@ __all__ = [
     "DEFAULT_MODEL",
     "DTYPE_CHOICES",
     "cache_root",
+    "converted_model_dir",
     "cpu_has_bf16",
     "default_dtype",
     "dtype_name",
     "find_gguf",
+    "hub_offline",
+    "known_model_names",
     "load_default_model",
+    "locate_model",
     "model_cache_dir",
     "resolve_dtype",
     "resolve_model",

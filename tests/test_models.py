@@ -247,3 +247,55 @@ def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tiny_llama_dir):
     assert models.default_dtype("cpu") == expected
     with pytest.raises(ValueError, match="choose one of auto, bfloat16, float16, float32"):
         models.resolve_dtype("fp8")
+
+
+# ---------------------------------------------------------------------------
+# name resolution: decided before any network access
+
+
+@pytest.fixture
+def no_hub_load(monkeypatch):
+    """Any attempt to load through transformers fails the test: name checks must come first."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("resolve_model went to transformers for a name it should have refused")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_misspelled_short_name_fails_at_once_naming_known_names(no_hub_load, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ValueError, match=r"Unknown model 'smollm2-135' \(did you mean 'smollm2-135m'\?\).*smollm2-135m"):
+        models.resolve_model("smollm2-135")
+    with pytest.raises(ValueError, match="Unknown model 'gpt-nonexistent'.*owner/name"):
+        models.resolve_model("gpt-nonexistent")
+
+
+def test_hub_id_not_asked_when_offline(no_hub_load, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set.*smollm2-135m|smollm2-135m.*HF_HUB_OFFLINE is set"):
+        models.resolve_model("someone/no-such-model")
+    assert time.perf_counter() - t0 < 2
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert models.locate_model("someone/no-such-model") == "hub"  # online: left to the hub
+
+
+def test_local_paths_resolved_first(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path, _ = tiny_llama_dir
+    assert models.locate_model(path) == "local"
+    assert models.locate_model("smollm2-135m") == "known"
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        models.locate_model(tmp_path)  # a directory, but not a model's
+    with pytest.raises(FileNotFoundError, match="No such model directory"):
+        models.locate_model(tmp_path / "missing")
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        models.locate_model(tmp_path / "weights.bin")
+    # a relative directory named like a hub id is a directory, offline or not
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "owner").mkdir()
+    os.symlink(path, tmp_path / "owner" / "tiny")
+    assert models.locate_model("owner/tiny") == "local"
