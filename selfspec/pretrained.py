@@ -1,7 +1,9 @@
-"""`selfspec.from_pretrained(name_or_dir)` -> (wrapped model, tokenizer)."""
+"""Load a model by name and wrap it: `selfspec.from_pretrained(name)` -> the wrapped model (like every
+`from_pretrained`), `selfspec.load(name)` -> (wrapped model, tokenizer)."""
 from __future__ import annotations
 
 import os
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -16,13 +18,13 @@ def shipped_dir(name: str) -> Path | None:
     return path if (path / CONFIG_NAME).is_file() else None
 
 
-def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
-                    **overrides):
-    """Load a model and wrap it.
+def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None, **overrides):
+    """(wrapped model, tokenizer).
 
     name_or_dir: "smollm2-135m" (the embedded default, with the heads and config shipped for it), a directory
     written by `model.selfspec.save_pretrained` whose config records `base_model_path`, or any local HF model
-    directory / hub id (wrapped with the default config). `heads` overrides where heads and config come from.
+    directory / hub id (wrapped with the default config). `heads` overrides where heads and config come from;
+    keyword overrides replace config fields (exit_layer=8, drafter="hybrid", ...).
     """
     selfspec_dir = heads
     base = name_or_dir
@@ -39,3 +41,45 @@ def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, 
         shipped = shipped_dir(str(base))
         selfspec_dir = str(shipped) if shipped is not None else None
     return wrap(model, selfspec_dir, **overrides), tokenizer
+
+
+def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
+                    **overrides):
+    """The wrapped model (arguments as for `load`); `selfspec.load` returns its tokenizer too.
+
+    Until 0.2 this returned (model, tokenizer). For one release `model, tok = selfspec.from_pretrained(...)`
+    still works, with a DeprecationWarning: the returned model can be unpacked into itself and its tokenizer.
+    """
+    model, tokenizer = load(name_or_dir, heads=heads, dtype=dtype, device=device, **overrides)
+    return _allow_legacy_unpacking(model, tokenizer)
+
+
+# --- deprecated (remove in 0.3): `model, tok = selfspec.from_pretrained(...)` -------------------------------------
+_LEGACY_MESSAGE = ("selfspec.from_pretrained returns the model only, like every from_pretrained; unpacking it into "
+                   "(model, tokenizer) is deprecated and stops working in selfspec 0.3. Use "
+                   "`model, tok = selfspec.load(name)` or `model = selfspec.from_pretrained(name)`.")
+
+
+class _LegacyUnpacking:
+    """Mixed into the returned model's class: iterating the model yields (model, tokenizer) with a warning. Nothing
+    else changes (same class name, module, methods, parameters; `generate` stays the wrapped one)."""
+
+    def __iter__(self):
+        warnings.warn(_LEGACY_MESSAGE, DeprecationWarning, stacklevel=2)
+        return iter((self, self.__dict__["_selfspec_legacy_tokenizer"]))
+
+
+_LEGACY_CLASSES: dict[type, type] = {}
+
+
+def _allow_legacy_unpacking(model, tokenizer):
+    cls = type(model)
+    if "__iter__" in dir(cls) and not issubclass(cls, _LegacyUnpacking):
+        return model  # an iterable model class: leave it alone (unpacking would change its meaning)
+    if not issubclass(cls, _LegacyUnpacking):
+        if cls not in _LEGACY_CLASSES:
+            _LEGACY_CLASSES[cls] = type(cls.__name__, (_LegacyUnpacking, cls),
+                                        {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        model.__class__ = _LEGACY_CLASSES[cls]
+    model.__dict__["_selfspec_legacy_tokenizer"] = tokenizer
+    return model
