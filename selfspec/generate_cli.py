@@ -1,70 +1,193 @@
-"""`selfspec generate`: stream an answer from a wrapped model, then one line of speed stats."""
+"""`selfspec generate`: stream an answer from a wrapped model, then one line of speed stats.
+
+Only argparse is imported at module level: `selfspec generate --help` answers without importing torch."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
 
+# Drafters the command line can build from a name alone ("model" needs a second model object, "oracle" the
+# true continuation; both exist only in Python).
+CLI_DRAFTERS = ("early_exit", "ngram", "hybrid", "none")
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # selfspec.models.DTYPE_CHOICES, without importing torch
+
 EXAMPLE = """examples:
   selfspec generate "Explain speculative decoding in two sentences."
-  selfspec generate --chat --max-new-tokens 64 --sample --temperature 0.7 "Write a haiku about caches."
+  selfspec generate --compare "Explain speculative decoding in two sentences."   # also time plain generate
+  selfspec generate --temperature 0.7 --max-new-tokens 64 "Write a haiku about caches."   # samples
+  selfspec generate --no-chat "The three laws of motion are"                      # raw continuation
   selfspec generate --model ./my-llama --heads ./my-heads --exit-layer 10 "Hello"
+
+threads: on a CPU shared with other jobs use --threads 1 (or as many as there are idle cores); torch's default
+of one thread per core slows down sharply when the cores are busy. Errors print one line; --debug shows the
+traceback.
 """
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad flags print one line (not the whole usage) and exit with status 2, as argparse does."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineErrors(
         prog="selfspec generate", description="Generate text with self-speculative decoding and print speed stats.",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompt", help="the prompt (use --chat to apply the chat template)")
+    p.add_argument("prompt", help="the prompt: a user message for an instruct model, else text to continue")
     p.add_argument("--model", default="smollm2-135m",
-                   help="embedded model name, local HF model directory or hub id (default: smollm2-135m)")
+                   help="embedded model name, local HF model directory or hub id owner/name (default: smollm2-135m)")
     p.add_argument("--heads", default=None, help="directory written by model.selfspec.save_pretrained")
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (with --sample)")
-    p.add_argument("--exit-layer", type=int, default=None, help="override the exit layer")
-    p.add_argument("--max-draft-tokens", type=int, default=None, help="override the draft length K")
-    p.add_argument("--drafter", default=None, help="early_exit, ngram, hybrid or none")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template to the prompt (default: yes when the tokenizer has "
+                        "one, as instruct models do); --no-chat continues the raw text")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate (default: 128)")
+    p.add_argument("--sample", action="store_true",
+                   help="sample instead of greedy decoding (implied by --temperature or --top-p)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature > 0; giving it turns on --sample (default with --sample: 1.0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling threshold in (0, 1]; giving it turns on --sample")
+    p.add_argument("--exit-layer", type=int, default=None, help="override the exit layer E (1 <= E < layers)")
+    p.add_argument("--max-draft-tokens", type=int, default=None, help="override the draft length K (>= 1)")
+    p.add_argument("--drafter", default=None, choices=CLI_DRAFTERS,
+                   help="override the drafter: " + ", ".join(CLI_DRAFTERS) + " (default: the model's config)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="model precision; auto = the checkpoint's dtype, or for the embedded model bfloat16 where "
                         "the CPU/GPU computes it in hardware, else float32 (default: auto)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch intra-op threads (default: torch's, one per core); see 'threads' below")
+    p.add_argument("--compare", action="store_true",
+                   help="after the streamed answer, time plain generate of the same model and dtype against "
+                        "selfspec on the same prompt and settings, interleaved (--rounds each), and print both")
+    p.add_argument("--rounds", type=_positive_int, default=2, help="timed runs of each with --compare (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
+    p.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     return p
+
+
+def generation_kwargs(args) -> dict:
+    """generate() keyword arguments from the flags: --temperature / --top-p imply sampling."""
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature} (greedy decoding is the default: leave "
+                         "out --sample, --temperature and --top-p).")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}.")
+    sample = args.sample or args.temperature is not None or args.top_p is not None
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=sample)
+    if sample:
+        gen.update(temperature=1.0 if args.temperature is None else args.temperature, top_p=args.top_p)
+    return gen
+
+
+def prompt_ids(tok, text: str, chat: bool | None):
+    """(1, T) prompt ids: the chat template when asked, or by default when the tokenizer has one."""
+    has_template = bool(getattr(tok, "chat_template", None))
+    if chat and not has_template:
+        raise ValueError("--chat was given but this model's tokenizer has no chat template (a base model, not an "
+                         "instruct one): drop --chat to continue the raw text.")
+    if chat is None:
+        chat = has_template
+    if chat:
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"]
+    return tok(text, return_tensors="pt")["input_ids"]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    gen = generation_kwargs(args)
     import torch
-    from transformers import TextStreamer
 
-    from . import from_pretrained
-    from .prompts import chat_input_ids
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import TextStreamer
+    from transformers.utils import logging as hf_logging
+
+    from .models import dtype_name
+    from .pretrained import load
+
+    hf_logging.disable_progress_bar()  # a weight-loading bar on stderr would split the answer from its stats
 
     overrides = {k: v for k, v in (("exit_layer", args.exit_layer), ("max_draft_tokens", args.max_draft_tokens),
                                    ("drafter", args.drafter)) if v is not None}
-    model, tok = from_pretrained(args.model, heads=args.heads, dtype=args.dtype, **overrides)
-    if args.chat:
-        ids = chat_input_ids(tok, args.prompt)
-    else:
-        ids = tok(args.prompt, return_tensors="pt")["input_ids"]
-    ids = ids.to(model.device)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
-    if args.sample:
-        torch.manual_seed(args.seed)
-        gen.update(temperature=args.temperature, top_p=args.top_p)
+    model, tok = load(args.model, heads=args.heads, dtype=args.dtype, **overrides)
+    ids = prompt_ids(tok, args.prompt, args.chat).to(model.device)
+    mask = torch.ones_like(ids)
+    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    torch.manual_seed(args.seed)
     start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), streamer=TextStreamer(tok, skip_prompt=True), **gen)
+    model.generate(ids, attention_mask=mask, streamer=streamer, **gen)
     seconds = time.perf_counter() - start
     st = model.selfspec.last_stats
     cfg = model.selfspec.config
-    print(f"\n[selfspec] {st.new_tokens} tokens in {seconds:.2f}s = {st.new_tokens / seconds:.1f} tok/s | "
+    # the streamer ended the answer with a newline
+    print(f"[selfspec] {st.new_tokens} tokens in {seconds:.2f}s = {st.new_tokens / seconds:.1f} tok/s | "
           f"mean accepted tokens {st.mean_accepted_tokens:.2f} | acceptance rate {st.acceptance_rate:.1%} | "
-          f"drafter {cfg.drafter}, exit layer {cfg.exit_layer}, K={cfg.max_draft_tokens}", file=sys.stderr)
+          f"drafter {cfg.drafter}, exit layer {cfg.exit_layer}, K={cfg.max_draft_tokens}, {dtype_name(model.dtype)}",
+          file=sys.stderr)
+    if args.compare:
+        print(compare_line(model, ids, mask, gen, args.rounds, args.seed), file=sys.stderr)
     return 0
 
 
+def time_both(model, ids, mask, gen: dict, rounds: int, seed: int = 0) -> dict:
+    """Seconds and new tokens of plain `generate` (the class's own, same model object, weights and dtype) and of
+    the wrapped one, `rounds` runs each, interleaved and alternating which goes first; same ids and kwargs."""
+    import torch
+    from transformers import GenerationMixin
+
+    runs = {
+        "plain": lambda: GenerationMixin.generate(model, ids, attention_mask=mask, **gen),
+        "selfspec": lambda: model.generate(ids, attention_mask=mask, **gen),
+    }
+    totals = {name: {"seconds": 0.0, "tokens": 0, "outputs": []} for name in runs}
+    for r in range(rounds):
+        for name in (("plain", "selfspec") if r % 2 == 0 else ("selfspec", "plain")):
+            torch.manual_seed(seed + r)
+            _sync(model)
+            start = time.perf_counter()
+            out = runs[name]()
+            _sync(model)
+            totals[name]["seconds"] += time.perf_counter() - start
+            totals[name]["tokens"] += out.shape[1] - ids.shape[1]
+            totals[name]["outputs"].append(out)
+    return totals
+
+
+def compare_line(model, ids, mask, gen: dict, rounds: int, seed: int = 0) -> str:
+    t = time_both(model, ids, mask, gen, rounds, seed)
+    rate = {name: t[name]["tokens"] / t[name]["seconds"] for name in t}
+    line = (f"[compare] plain generate {rate['plain']:.1f} tok/s, selfspec {rate['selfspec']:.1f} tok/s "
+            f"({rate['selfspec'] / rate['plain']:.2f}x); {rounds} run{'s' if rounds > 1 else ''} each, interleaved, "
+            "same prompt and settings")
+    if not gen.get("do_sample"):
+        same = all(a.shape == b.shape and bool((a == b).all())
+                   for a, b in zip(t["plain"]["outputs"], t["selfspec"]["outputs"]))
+        line += "; greedy outputs " + ("identical" if same else "DIFFER (near-ties in this dtype; see README)")
+    return line
+
+
+def _sync(model) -> None:
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import main as cli_main
+
+    sys.exit(cli_main(["generate", *sys.argv[1:]]))
