@@ -57,11 +57,46 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads on CPU
 
 
+# `selfspec train-heads --help` text of each TrainConfig field (its comment above, for the command line)
+OPTION_HELP = {
+    "model": "model name or path (default: smollm2-135m)",
+    "data_dir": "directory with the shards and manifest.json written by train.collect",
+    "out_dir": "where checkpoints and the final heads (save_pretrained) go",
+    "exit_layers": "comma-separated exit layers, one head each, all trained from one data pass (e.g. 4,6,8,12)",
+    "head": "head design: mlp (residual MLP adapter) or attn (a copied decoder layer with its own KV cache)",
+    "rank": "hidden width of the MLP adapter",
+    "context": "attn only: what verified positions look like to the head, early (layer-E) or top (final) states",
+    "source_layer": "attn only: the decoder layer copied to start from (default: the exit layer itself)",
+    "seq_batch": "attn only: whole sequences per step",
+    "round_len_max": "attn with context top only: draft rounds of 1..this many tokens are sampled in training",
+    "draft_vocab_size": "the head scores only this many most frequent tokens; 0 = the full vocabulary",
+    "steps": "optimizer steps",
+    "batch_size": "rows (positions) per step and head",
+    "lr": "AdamW peak learning rate (cosine decay after warm-up)",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "ce_weight": "weight of cross-entropy on the teacher's top-1 next to the KL term",
+    "holdout_fraction": "fraction of sequences kept out of training to measure agreement",
+    "eval_every": "steps between held-out agreement measurements",
+    "checkpoint_every": "steps between resumable checkpoints",
+    "default_exit_layer": "exit layer written as the saved config's default (default: the best agreement)",
+    "max_draft_tokens": "draft length K written into the saved config (selfspec calibrate refines it)",
+    "seed": "random seed",
+    "device": "cpu, cuda, cuda:1, ...",
+    "dtype": "head training dtype: float32 on CPU, bfloat16 on a GPU",
+    "save_dtype": "dtype of the saved head weights (bfloat16 halves the file; loading upcasts)",
+    "threads": "torch intra-op threads on CPU",
+}
+
+
 def load_config(argv) -> TrainConfig:
-    p = argparse.ArgumentParser(prog="selfspec train-heads", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="selfspec train-heads", description=__doc__.split("\n\n")[0],
+        epilog="Each option overrides the same key of the --config YAML's train: section; options left out keep "
+               "the YAML's value, else the TrainConfig default in train/train_heads.py.")
     p.add_argument("--config", help="YAML file with a `train:` section (see configs/smollm2-135m.yaml)")
     for f in TrainConfig.__dataclass_fields__.values():
-        p.add_argument("--" + f.name.replace("_", "-"), default=None,
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=OPTION_HELP.get(f.name, "see TrainConfig"),
                        type=(lambda s: [int(x) for x in s.split(",")]) if f.name == "exit_layers" else str)
     args = p.parse_args(argv)
     values = {}
