@@ -47,8 +47,8 @@ def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, 
                     **overrides):
     """The wrapped model (arguments as for `load`); `selfspec.load` returns its tokenizer too.
 
-    Until 0.2 this returned (model, tokenizer). For one release `model, tok = selfspec.from_pretrained(...)`
-    still works, with a DeprecationWarning: the returned model can be unpacked into itself and its tokenizer.
+    selfspec 0.1 returned (model, tokenizer). Until 0.3 `model, tok = selfspec.from_pretrained(...)` still works,
+    with a DeprecationWarning: the returned model can be unpacked into itself and its tokenizer.
     """
     model, tokenizer = load(name_or_dir, heads=heads, dtype=dtype, device=device, **overrides)
     return _allow_legacy_unpacking(model, tokenizer)
