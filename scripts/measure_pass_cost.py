@@ -36,7 +36,7 @@ def prefilled_cache(model, length: int, device):
 
     cache = DynamicCache(config=model.config)
     ids = torch.randint(100, model.config.vocab_size, (1, length), device=device)
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, cache=cache, use_cache=True)
     return cache
 
 
@@ -47,7 +47,7 @@ def time_pass(model, cache, t: int, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=t)
+    model(ids, cache=cache, use_cache=True, logits_to_keep=t)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

@@ -82,8 +82,8 @@ def multi_token_logits(model, prefix: list[int], chunk: int) -> list[torch.Tenso
     if c < 1:
         return [whole]
     cache = DynamicCache(config=model.config)
-    model(ids[:, :-c], past_key_values=cache, use_cache=True)
-    split = model(ids[:, -c:], past_key_values=cache, use_cache=True).logits[0, -1].float().cpu()
+    model(ids[:, :-c], cache=cache, use_cache=True)
+    split = model(ids[:, -c:], cache=cache, use_cache=True).logits[0, -1].float().cpu()
     return [whole, split]
 
 
