@@ -334,6 +334,7 @@ class Harness:
         self.base_config, self.heads, self.heads_source = load_selfspec_setup(model, cfg)
         self.hf_exit_layer = self.base_config.exit_layer
         self.plain_logits = PlainLogits(model, {"pad_token_id": pad_id})
+        self.per_drafter = self.base_config.metadata.get("calibration", {}).get("per_drafter", {})
 
     def row_judge(self, batch: Batch, max_new: int) -> Callable:
         """judge_row(b, got, want) -> Verdict for row b of this batch (its prompt without padding)."""
@@ -344,9 +345,16 @@ class Harness:
         return judge_row
 
     def engine_config(self, drafter: str, trained: bool) -> SelfSpecConfig:
+        """The config of an engine method: each drafter at the best setting the calibrator measured for it
+        (`metadata.calibration.per_drafter`), unless the command line fixed E or K. Settings found with trained
+        heads are not given to the untrained head; the n-gram drafter has no heads and takes its own."""
         config = self.base_config if trained else SelfSpecConfig(
             exit_layer=self.base_config.exit_layer, max_draft_tokens=self.base_config.max_draft_tokens)
-        return config.replace(drafter=drafter)
+        tuned = dict(self.per_drafter.get(drafter, {})) if (trained or drafter == "ngram") else {}
+        for fixed, key in ((self.cfg.exit_layer, "exit_layer"), (self.cfg.max_draft_tokens, "max_draft_tokens")):
+            if fixed is not None:
+                tuned.pop(key, None)
+        return config.replace(**{**tuned, "drafter": drafter})
 
     def generate_kwargs(self, max_new: int) -> dict:
         kw = dict(max_new_tokens=max_new, pad_token_id=self.pad_id, do_sample=self.cfg.sample)
@@ -543,10 +551,26 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
              "hf_early_exit_layer": h.hf_exit_layer if "hf-early-exit" in names else None,
              "hf_early_exit_tuning_tokens_per_s": {str(k): v for k, v in tuning.items()},
              "num_layers": h.num_layers, "skipped_methods": skipped,
+             "engine_settings": {n: engine_settings(h.engine_config(registry[n].drafter, registry[n].trained))
+                                 for n in names if isinstance(registry[n], EngineMethod)},
              "methods": {n: registry[n].description for n in names}}
     mismatches = [{"method": r.method, "category": r.category, **m} for r in records for m in r.mismatches]
     return BenchResult(names, records, summarize(records, names, categories), setup, mismatches,
                        time.perf_counter() - start)
+
+
+def engine_settings(config: SelfSpecConfig) -> str:
+    """A method's drafting setting in one short phrase, for the report."""
+    parts = [f"K={config.max_draft_tokens}"]
+    if config.drafter in ("early_exit", "hybrid"):
+        parts.insert(0, f"E={config.exit_layer}")
+        if config.draft_confidence_threshold:
+            parts.append(f"threshold {config.draft_confidence_threshold:g}")
+    if config.drafter in ("ngram", "hybrid"):
+        parts.append(f"n-gram {config.ngram_min}..{config.ngram_max}")
+    if config.drafter == "hybrid":
+        parts.append(f"min match {config.hybrid_min_match}{', extend' if config.hybrid_extend else ''}")
+    return ", ".join(parts) if config.drafter != "none" else "no drafts"
 
 
 # --- summaries ------------------------------------------------------------------------------------------------
@@ -640,6 +664,8 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
         f"- selfspec: exit layer {setup['selfspec_config']['exit_layer']} of {setup['num_layers']}, "
         f"max_draft_tokens={setup['selfspec_config']['max_draft_tokens']}, heads: {setup['heads_source']}",
     ]
+    for name, phrase in setup.get("engine_settings", {}).items():
+        lines.append(f"- {name}: {phrase}")
     if ee is not None:
         lines.append(f"- hf-early-exit: E={ee}, the fastest of [{tuned}] on train-split prompts")
     if "hf-prompt-lookup" in result.names:

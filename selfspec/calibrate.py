@@ -712,6 +712,17 @@ def top_settings(study, count: int) -> list:
     return picked[:count]
 
 
+def best_per_drafter(study) -> dict[str, dict]:
+    """{drafter: params of its fastest measured trial}, so that each drafter can be run at its own best setting
+    (an n-gram drafter wants other K than an exit head; the bench reads this)."""
+    best: dict[str, tuple[float, dict]] = {}
+    for t in _measured(study):
+        drafter = t.params.get("drafter", "early_exit")
+        if drafter not in best or t.value > best[drafter][0]:
+            best[drafter] = (t.value, dict(t.params))
+    return {d: params for d, (_, params) in sorted(best.items())}
+
+
 def confirm(session: Session, candidates: list, rounds: int, log) -> tuple[list[dict], float]:
     """Re-time the best settings and plain generate prompt by prompt, in rotating order, so that load drifting
     over the run (other processes on a shared machine) hits every setting alike."""
@@ -988,7 +999,8 @@ def _finish(model, study, session, base, storage, output, identity, log) -> Cali
         "calibration": {"tokens_per_s": winner["confirmed_tokens_per_s"], "plain_tokens_per_s": plain_tps,
                         "speedup": winner["speedup"], "study": study.study_name, "trial": winner["trial"],
                         "device": identity["device"], "dtype": identity["dtype"],
-                        "date": time.strftime("%Y-%m-%d"), "environment": environment()}})
+                        "date": time.strftime("%Y-%m-%d"), "environment": environment(),
+                        "per_drafter": best_per_drafter(study)}})
     study.set_user_attr("final", {"best": winner, "plain_tokens_per_s": plain_tps})
     report = build_report(study, session, confirmed, plain_tps, best)
     if output is not None:
