@@ -22,9 +22,13 @@ def _warn_once(reason: str) -> None:
         warnings.warn(f"selfspec: {reason}; falling back to the model's plain generate().", stacklevel=3)
 
 
-def fallback_reason(gen, kwargs: dict) -> str | None:
+def fallback_reason(gen, kwargs: dict, batch_size: int | None = None, streamer=None) -> str | None:
     """Why a call with resolved GenerationConfig `gen` and these kwargs cannot be speculative, or None."""
     checks = [
+        # HF's loop puts one token per row and step; rows of a speculative batch advance by different counts, so
+        # no put sequence matches it. The plain generate keeps HF's own rule (its streamers raise for batch > 1).
+        (streamer is not None and (batch_size or 1) > 1,
+         "a streamer with batch size > 1 (Hugging Face's streamers take one row)"),
         (gen.num_beams and gen.num_beams > 1, "beam search (num_beams > 1) is not speculative"),
         (getattr(gen, "penalty_alpha", None), "contrastive search (penalty_alpha) is not speculative"),
         (getattr(gen, "dola_layers", None), "DoLa decoding is not supported"),
@@ -49,14 +53,18 @@ def wrapped_generate(model, inputs=None, generation_config=None, logits_processo
                      streamer=None, **kwargs):
     """Replaces `model.generate` on a wrapped instance (the class's generate is untouched)."""
     gen, _ = model._prepare_generation_config(generation_config, **dict(kwargs))
-    reason = fallback_reason(gen, kwargs)
+    reason = fallback_reason(gen, kwargs, _batch_size(inputs, kwargs), streamer)
+    engine = model.selfspec
+    engine.last_fallback = reason
     if reason is not None:
         _warn_once(reason)
+        engine.last_stats = None  # this call has no speculative stats; an earlier call's must not pass for them
         return GenerationMixin.generate(model, inputs, generation_config, logits_processor, stopping_criteria,
                                         streamer=streamer, **kwargs)
-    # HF drops `tokenizer` and `streamer` before calling a custom decoding loop, so stop strings become our
-    # own criterion here and the streamer travels under a name HF passes through.
+    # HF drops `tokenizer`, `assistant_tokenizer` and `streamer` before calling a custom decoding loop, so stop
+    # strings become our own criterion here, and the streamer and tokenizers travel under names HF passes through.
     tokenizer = kwargs.pop("tokenizer", None)
+    assistant_tokenizer = kwargs.pop("assistant_tokenizer", None)
     stopping_criteria = StoppingCriteriaList(stopping_criteria or [])
     if gen.stop_strings:
         if tokenizer is None:
@@ -65,12 +73,18 @@ def wrapped_generate(model, inputs=None, generation_config=None, logits_processo
         kwargs["stop_strings"] = None  # ours now; HF would ask for the tokenizer it no longer has
     return GenerationMixin.generate(
         model, inputs, generation_config, logits_processor, stopping_criteria,
-        custom_generate=_speculative_loop, selfspec_streamer=streamer, **kwargs,
+        custom_generate=_speculative_loop, selfspec_streamer=streamer,
+        selfspec_tokenizers=(tokenizer, assistant_tokenizer), **kwargs,
     )
 
 
+def _batch_size(inputs, kwargs: dict) -> int | None:
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    return ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
 def _speculative_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      selfspec_streamer=None, **model_kwargs):
+                      selfspec_streamer=None, selfspec_tokenizers=None, **model_kwargs):
     """The decoding method Hugging Face's generate calls after its input preparation."""
     engine = model.selfspec
     eos = generation_config._eos_token_tensor
@@ -88,7 +102,8 @@ def _speculative_loop(model, input_ids, logits_processor, stopping_criteria, gen
         streamer=selfspec_streamer,
         output_scores=bool(generation_config.output_scores and generation_config.return_dict_in_generate),
     )
-    sequences, state = engine.decode(input_ids, model_kwargs.get("attention_mask"), settings)
+    sequences, state = engine.decode(input_ids, model_kwargs.get("attention_mask"), settings,
+                                     tokenizers=selfspec_tokenizers)
     if not generation_config.return_dict_in_generate:
         return sequences
     scores = _stack_scores(state, sequences.shape[1] - input_ids.shape[1]) if settings.output_scores else None

@@ -50,7 +50,11 @@ def check_identity(saved: dict, adapter, source: str) -> None:
 
 
 def save_engine(engine, directory: str) -> str:
-    """Write selfspec_config.json (config, base-model identity, head specs) and heads.safetensors."""
+    """Write selfspec_config.json (config, base-model identity, head specs) and heads.safetensors.
+
+    Refused (ValueError, nothing written) when the saved config would not rebuild the drafter in use; a warning
+    when it rebuilds it only with a draft model the caller passes again (`check_drafter_saveable`)."""
+    check_drafter_saveable(engine)
     os.makedirs(directory, exist_ok=True)
     tensors, specs = {}, []
     for layer, head in sorted(engine.heads.items()):
@@ -67,6 +71,85 @@ def save_engine(engine, directory: str) -> str:
     extra = {"base_model": model_identity(engine.adapter), "base_model_path": _base_path(engine.model),
              "heads": specs, "selfspec_version": _version()}
     return engine.config.save(directory, extra=extra)
+
+
+# Attributes of the built-in drafters that a config field sets under another name.
+_CONFIG_FIELD_OF = {"threshold": "draft_confidence_threshold", "min_match": "hybrid_min_match",
+                    "extend": "hybrid_extend"}
+
+
+def check_drafter_saveable(engine) -> None:
+    """Raise ValueError unless `engine.config` rebuilds the drafter in use (`engine.drafter_override` if set, else
+    the config's own); warn when the rebuild needs a draft model, which is not saved."""
+    import warnings
+
+    from .drafters import DRAFTER_FACTORIES
+
+    override = engine.drafter_override
+    name = engine.config.drafter if override is None else getattr(override, "name", None)
+    what = f"drafter {name!r}" if override is None else f"{type(override).__name__} object (name {name!r})"
+    refuse = f"selfspec cannot save this config: the drafter in use, {what},"
+    if name == "oracle" or name not in DRAFTER_FACTORIES:
+        why = ("proposes a reference continuation that only its caller has" if name == "oracle"
+               else "is not a drafter the config knows")
+        raise ValueError(f"{refuse} cannot be rebuilt from a config (it {why}). Save with a drafter the config can "
+                         f"build (model.selfspec.drafter_override = None; model.selfspec.config.drafter = "
+                         f"'early_exit', 'ngram', 'hybrid' or 'none').")
+    if name != engine.config.drafter:
+        raise ValueError(f"{refuse} is not the config's drafter {engine.config.drafter!r}, so the saved config would "
+                         f"rebuild another drafter. Set model.selfspec.config.drafter = {name!r} or drop the "
+                         f"drafter_override.")
+    if name == "model":
+        warnings.warn("selfspec: the config says drafter='model' but the draft model itself is not saved; pass it "
+                      "again when loading: selfspec.wrap(model, directory, drafter=draft_model).", stacklevel=3)
+        return
+    if override is None:
+        return
+    engine.drafter_override = None
+    try:
+        rebuilt = DRAFTER_FACTORIES[name](engine)
+    finally:
+        engine.drafter_override = override
+    differences = _drafter_differences(override, rebuilt)
+    if differences:
+        fields = {_CONFIG_FIELD_OF.get(d.split(":")[0].rsplit(".", 1)[-1], d.split(":")[0].rsplit(".", 1)[-1]): v
+                  for d, v in differences}
+        known = {k: v for k, v in fields.items() if k in SelfSpecConfig.__dataclass_fields__}
+        hint = "".join(f", {k}={v!r}" for k, v in known.items())
+        raise ValueError(f"{refuse} has settings the config would not rebuild ({'; '.join(d for d, _ in differences)})."
+                         f" Wrap with them as config fields instead: selfspec.wrap(model, drafter={name!r}{hint})"
+                         f"{'' if len(known) == len(fields) else ', and heads added with model.selfspec.add_head'}.")
+
+
+def _drafter_differences(used, rebuilt, path: str = "") -> list[tuple[str, object]]:
+    """(description, value in use) for each setting in which a Drafter object differs from the config's rebuild:
+    scalar attributes, heads (the same module, or the same parameter-free spec) and nested drafters."""
+    from .drafters.base import Drafter
+
+    out = []
+    for key, value in vars(used).items():
+        other, where = getattr(rebuilt, key, None), f"{path}{key}"
+        if isinstance(value, Drafter):
+            if type(other) is not type(value):
+                out.append((f"{where}: a {type(value).__name__}, the config builds {type(other).__name__}", value))
+            else:
+                out.extend(_drafter_differences(value, other, where + "."))
+        elif isinstance(value, torch.nn.Module):
+            if not _same_module(value, other):
+                out.append((f"{where}: a {type(value).__name__} the engine does not hold (its heads are what is "
+                            f"saved)", value))
+        elif isinstance(value, (bool, int, float, str)) and value != other:
+            out.append((f"{where}: {value!r} in the drafter object, {other!r} from the config", value))
+    return out
+
+
+def _same_module(a, b) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or not hasattr(a, "spec") or a.spec() != b.spec():
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 def load_heads(directory: str, adapter) -> list[ExitHead]:

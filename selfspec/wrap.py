@@ -1,6 +1,7 @@
 """`wrap(model)` in place, `unwrap(model)`; the engine lives at `model.selfspec`, outside the module tree."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 
@@ -27,7 +28,14 @@ class SelfSpecEngine:
         self.heads: dict[int, ExitHead] = dict(heads or {})
         self.drafter_override: Drafter | None = None
         self.draft_model = None  # a separate draft model, for drafter="model"
+        # tokenizers for the draft model's vocabulary check (given to wrap; a generate call's own take precedence)
+        self.tokenizer = None  # the target's
+        self.draft_tokenizer = None  # the draft model's, when it is not the target's
+        self._call_tokenizers = (None, None)
+        # Stats of the last generate call; None when that call ran the plain generate (`last_fallback` says why)
+        # or failed, so that stats of an earlier call are never shown as this one's.
         self.last_stats: GenerationStats | None = None
+        self.last_fallback: str | None = None
         self.last_state = None
 
     # --- heads and drafters ----------------------------------------------------------------------
@@ -52,13 +60,49 @@ class SelfSpecEngine:
             return self.drafter_override
         return build_drafter(self)
 
+    def draft_tokenizers(self) -> tuple:
+        """(target tokenizer, draft tokenizer) for the draft model's vocabulary check: those passed to the current
+        generate call (`tokenizer=`, `assistant_tokenizer=`) first, else those given to wrap; None where unknown
+        (a missing draft tokenizer means the draft model uses the target's)."""
+        tok, draft_tok = self._call_tokenizers
+        return (tok if tok is not None else self.tokenizer,
+                draft_tok if draft_tok is not None else self.draft_tokenizer)
+
+    def split_layer(self, drafter: Drafter) -> int:
+        """The layer E where verification switches from layers [0, E) to [E, L).
+
+        A drafter that runs the early layers itself (`uses_early_layers`: early_exit, hybrid) hands the verifier
+        its layer-E states, so E is `config.exit_layer` and must lie in [1, L-1]; outside that range it is an error,
+        never a clamp (a clamp would verify from another layer than the one the drafter ran to). Every other drafter
+        (ngram, a draft model, oracle, none) brings no hidden states and the verifier runs all layers over its
+        drafts: E = L (one pass through every layer), whatever `config.exit_layer` says."""
+        num_layers = self.adapter.num_layers
+        if not getattr(drafter, "uses_early_layers", False):
+            return num_layers
+        exit_layer, name = self.config.exit_layer, getattr(drafter, "name", type(drafter).__name__)
+        if not isinstance(exit_layer, int) or not 1 <= exit_layer <= num_layers - 1:
+            raise ValueError(
+                f"exit_layer={exit_layer!r} is out of range for the {name!r} drafter on a model with {num_layers} "
+                f"decoder layers: set model.selfspec.config.exit_layer to a value with 1 <= exit_layer <= "
+                f"{num_layers - 1} (layers [0, exit_layer) draft, the rest verify).")
+        return exit_layer
+
     # --- decoding --------------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, attention_mask, settings: DecodeSettings):
-        """Run speculative decoding; returns (sequences, state) and sets `last_stats`."""
-        settings.max_draft_tokens = self.config.max_draft_tokens
-        settings.exit_layer = max(1, min(self.config.exit_layer, self.adapter.num_layers - 1))
-        drafter = self.build_drafter()
+    def decode(self, input_ids: torch.Tensor, attention_mask, settings: DecodeSettings, tokenizers=None):
+        """Run speculative decoding; returns (sequences, state) and sets `last_stats`.
+
+        `settings` is not modified: the engine decodes with a copy carrying its own draft length and split layer
+        (`split_layer`). `tokenizers`: (target, draft) tokenizers of this call, for the draft model's vocabulary
+        check."""
+        self.last_stats = None  # a call that fails leaves no stats of an earlier one behind
+        self._call_tokenizers = tuple(tokenizers) if tokenizers is not None else (None, None)
+        try:
+            drafter = self.build_drafter()
+        finally:
+            self._call_tokenizers = (None, None)
+        settings = dataclasses.replace(settings, max_draft_tokens=self.config.max_draft_tokens,
+                                       exit_layer=self.split_layer(drafter))
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)
@@ -100,17 +144,37 @@ def wrap(model, config=None, **overrides):
     config: a SelfSpecConfig, a dict, or a directory written by `model.selfspec.save_pretrained` (config and
     heads); keyword overrides replace config fields (e.g. exit_layer=8, max_draft_tokens=6).
     drafter: a name ("early_exit", "ngram", "hybrid", "none", ...), a Drafter instance, or a separate draft
-    model sharing the tokenizer (classic speculative decoding).
+    model sharing the tokenizer (classic speculative decoding). A Drafter instance runs as given; the config
+    records its `name` (and, for a drafter that exits at a layer of its own, that `exit_layer`), and
+    `save_pretrained` refuses a config that would not rebuild it.
+    tokenizer, draft_tokenizer: the target's and the draft model's tokenizers, for the draft model's vocabulary
+    check (same tokenizer, embeddings padded to different row counts); `generate(..., tokenizer=,
+    assistant_tokenizer=)` may pass them per call instead.
     """
     if getattr(model, "selfspec", None) is not None:
         raise ValueError("This model is already wrapped by selfspec; call selfspec.unwrap(model) first.")
     drafter = overrides.pop("drafter", None)
-    if drafter is not None and not isinstance(drafter, str):
-        overrides["drafter"] = "model" if hasattr(drafter, "config") else "early_exit"
+    tokenizer = overrides.pop("tokenizer", None)
+    draft_tokenizer = overrides.pop("draft_tokenizer", None)
+    unknown_name = None  # the name of a Drafter object that the config does not know
+    if isinstance(drafter, Drafter):
+        overrides.update(_drafter_object_fields(drafter, overrides))
+        if not _config_knows(overrides["drafter"]):
+            unknown_name = overrides["drafter"]
+            # validated as the kind of drafter it is (does it need a valid exit layer?), named after validation
+            overrides["drafter"] = "early_exit" if drafter.uses_early_layers else "none"
+    elif drafter is not None and not isinstance(drafter, str):
+        if not (hasattr(drafter, "config") and callable(getattr(drafter, "get_input_embeddings", None))):
+            raise TypeError(f"drafter must be a drafter name, a Drafter object or a causal LM to draft with, got "
+                            f"{type(drafter).__name__}.")
+        overrides["drafter"] = "model"
     elif drafter is not None:
         overrides["drafter"] = drafter
     config, directory = _resolve_config(config, overrides)
     engine = SelfSpecEngine(model, config)
+    if unknown_name is not None:
+        engine.config = engine.config.replace(drafter=unknown_name)
+    engine.tokenizer, engine.draft_tokenizer = tokenizer, draft_tokenizer
     if isinstance(drafter, Drafter):
         engine.drafter_override = drafter
     elif drafter is not None and not isinstance(drafter, str):
@@ -123,6 +187,33 @@ def wrap(model, config=None, **overrides):
     model.selfspec = engine
     model.generate = types.MethodType(wrapped_generate, model)
     return model
+
+
+def _drafter_object_fields(drafter: Drafter, overrides: dict) -> dict:
+    """Config fields that describe a Drafter object: its name, and the layer it exits at if it drafts with the
+    early layers (the verifier must start from that layer; a conflicting exit_layer is refused)."""
+    name = getattr(drafter, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{type(drafter).__name__} needs a `name` (a class attribute naming the drafter).")
+    fields = {"drafter": name}
+    layer = getattr(drafter, "exit_layer", None)
+    if getattr(drafter, "uses_early_layers", False) and isinstance(layer, int):
+        given = overrides.get("exit_layer")
+        if given is not None and given != layer:
+            raise ValueError(f"The {type(drafter).__name__} exits at layer {layer}, but exit_layer={given} was given: "
+                             f"verification must start from the drafter's own layer. Drop exit_layer, or build the "
+                             f"drafter for layer {given}.")
+        fields["exit_layer"] = layer
+    return fields
+
+
+def _config_knows(name: str) -> bool:
+    """Whether SelfSpecConfig accepts `name` as its drafter."""
+    try:
+        SelfSpecConfig(drafter=name).validate()
+    except ValueError:
+        return False
+    return True
 
 
 def unwrap(model):
