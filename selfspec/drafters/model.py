@@ -29,30 +29,71 @@ from ..sampling import logits_to_probs, sample
 from .base import Draft, Drafter
 
 
-def vocab_mismatch(target, draft) -> str | None:
-    """Why `draft` cannot draft for `target` (a vocabulary difference), or None. Both are HF causal LMs."""
-    sizes = {}
+def _rows(model) -> dict:
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return {"LM head rows": None if head is None else head.weight.shape[0],
+            "embedding rows": None if emb is None else emb.weight.shape[0]}
+
+
+def _local_tokenizer(model):
+    """The tokenizer saved with `model` (its name_or_path, local files only), or None."""
+    path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # no tokenizer there, or not loadable offline: the check does without it
+        return None
+
+
+def vocab_mismatch(target, draft, target_tokenizer=None, draft_tokenizer=None) -> str | None:
+    """Why `draft` cannot draft for `target` (a vocabulary difference), or None. Both are HF causal LMs.
+
+    With tokenizers (one given alone is taken as shared by both models): the target's and the draft's must map the
+    same strings to the same ids, and each model needs a row for every id; rows past the tokenizer's ids do not
+    matter, so same-tokenizer models whose embeddings are padded to different row counts (Qwen2.5-0.5B: 151,936,
+    Qwen2.5-7B: 152,064) pass. Without tokenizers, the tokenizers saved with the models are used when both load
+    offline; else the models' row counts and config.vocab_size must agree."""
+    rows = {"target": _rows(target), "draft": _rows(draft)}
     for role, model in (("target", target), ("draft", draft)):
-        head = model.get_output_embeddings()
-        emb = model.get_input_embeddings()
-        cfg = model.config.get_text_config(decoder=True)
-        sizes[role] = {
-            "LM head rows": None if head is None else head.weight.shape[0],
-            "embedding rows": None if emb is None else emb.weight.shape[0],
-            "config.vocab_size": getattr(cfg, "vocab_size", None),
-        }
-    for what in sizes["target"]:
-        a, b = sizes["target"][what], sizes["draft"][what]
-        if a is not None and b is not None and a != b:
-            return f"{what} differ: target {a}, draft {b}"
+        rows[role]["config.vocab_size"] = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    differ = next(((what, a, rows["draft"][what]) for what, a in rows["target"].items()
+                   if a is not None and rows["draft"][what] is not None and a != rows["draft"][what]), None)
+    if target_tokenizer is None and draft_tokenizer is None:
+        if differ is None:
+            return None
+        target_tokenizer, draft_tokenizer = _local_tokenizer(target), _local_tokenizer(draft)
+        if target_tokenizer is None or draft_tokenizer is None:
+            what, a, b = differ
+            return (f"{what} differ: target {a}, draft {b}; if both use one tokenizer and only the embedding padding "
+                    f"differs, pass it: selfspec.wrap(model, drafter=draft_model, tokenizer=tok) or "
+                    f"generate(..., tokenizer=tok)")
+    target_tokenizer = target_tokenizer if target_tokenizer is not None else draft_tokenizer
+    draft_tokenizer = draft_tokenizer if draft_tokenizer is not None else target_tokenizer
+    vocab = target_tokenizer.get_vocab()
+    if draft_tokenizer is not target_tokenizer:
+        other = draft_tokenizer.get_vocab()
+        if other != vocab:
+            changed = sorted(set(vocab.items()) ^ set(other.items()), key=lambda kv: kv[1])
+            token = changed[0][0]
+            return (f"the tokenizers differ in {len({t for t, _ in changed})} of {len(vocab)} tokens, e.g. {token!r}: "
+                    f"id {vocab.get(token)} for the target, {other.get(token)} for the draft")
+    ids = max(vocab.values()) + 1
+    for role in ("target", "draft"):
+        for what in ("LM head rows", "embedding rows"):
+            n = rows[role][what]
+            if n is not None and n < ids:
+                return f"the tokenizer has ids up to {ids - 1} but the {role} model has {n} {what}"
     return None
 
 
-def check_draft_model(target, draft) -> None:
-    """Raise ValueError unless `draft` is a causal LM that shares the target's vocabulary."""
+def check_draft_model(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Raise ValueError unless `draft` is a causal LM that shares the target's vocabulary (`vocab_mismatch`)."""
     if draft is target:
         raise ValueError("The draft model is the target model itself; pass a separate, smaller model.")
-    reason = vocab_mismatch(target, draft)
+    reason = vocab_mismatch(target, draft, target_tokenizer, draft_tokenizer)
     if reason is not None:
         raise ValueError(
             f"The draft model {type(draft).__name__} does not share the target's vocabulary ({reason}). "
@@ -74,12 +115,17 @@ class _Step:
 class DraftModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, draft_model, target=None):
-        if target is not None:
-            check_draft_model(target, draft_model)
+    def __init__(self, draft_model, target=None, tokenizer=None, draft_tokenizer=None, checked: bool = False):
+        """target: the model to draft for, checked against (`check_draft_model`, with the tokenizers if given)
+        unless `checked` says the caller has done so."""
+        if target is not None and not checked:
+            check_draft_model(target, draft_model, tokenizer, draft_tokenizer)
         self.model = draft_model
         self.adapter = adapter_for(draft_model)
         self.device = self.adapter.device_of_layer(0)
+        # ids the draft model can embed; the target's vocabulary size (set in begin): the two may differ by padding
+        self.embed_rows = draft_model.get_input_embeddings().weight.shape[0]
+        self.vocab: int | None = None
         self.ctx: StepContext | None = None
         self.fed: torch.Tensor | None = None  # (B,) tokens of state.seq the draft cache holds, per row
         self.step: _Step | None = None
@@ -88,11 +134,16 @@ class DraftModelDrafter(Drafter):
     def _run(self, ids, positions, slot_positions=None) -> torch.Tensor:
         """All layers of the draft model on (B, T) tokens -> (B, T, V) float32 logits on the target's device."""
         dev = self.device
+        # an id past the draft model's rows (the target chose one of its own padding rows) cannot be embedded; any
+        # valid id stands in for it: only the draft's guesses get worse, never the output
+        ids = ids.masked_fill(ids >= self.embed_rows, 0)
         hidden = forward_early(self.ctx, ids.to(dev), positions.to(dev), self.adapter.num_layers,
                                None if slot_positions is None else slot_positions.to(dev)).hidden
-        return self.adapter.logits(self.adapter.final_norm(hidden[:, -1:])).float().to(ids.device)
+        logits = self.adapter.logits(self.adapter.final_norm(hidden[:, -1:])).float().to(ids.device)
+        return _fit_vocab(logits, self.vocab)
 
     def begin(self, state) -> None:
+        self.vocab = state.vocab_size
         self.ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers), SlotTable(state.batch, self.device))
         ids = state.seq[:, : state.prompt_len]
         mask = state.mask if state.mask is not None else torch.ones_like(ids)
@@ -155,9 +206,27 @@ class DraftModelDrafter(Drafter):
         self.step = None
 
 
+def _fit_vocab(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """(..., V_draft) logits -> (..., vocab), the target's width: the draft's extra (padding) rows are dropped, rows
+    it lacks get -inf (it never proposes them). Exact either way: q is the distribution the drafts come from."""
+    width = logits.shape[-1]
+    if vocab is None or width == vocab:
+        return logits
+    if width > vocab:
+        return logits[..., :vocab]
+    return torch.nn.functional.pad(logits, (0, vocab - width), value=float("-inf"))
+
+
 def from_engine(engine) -> DraftModelDrafter:
-    """The registry's factory for drafter="model": the draft model the engine holds, checked against the target."""
+    """The registry's factory for drafter="model": the draft model the engine holds, checked against the target
+    (once per draft model and tokenizers; the engine remembers the verdict)."""
     if engine.draft_model is None:
         raise ValueError('drafter="model" needs a draft model: selfspec.wrap(model, drafter=draft_model), or set '
                          'model.selfspec.draft_model = draft_model.')
-    return DraftModelDrafter(engine.draft_model, engine.model)
+    tokenizers = engine.draft_tokenizers() if hasattr(engine, "draft_tokenizers") else (None, None)
+    key = (engine.draft_model, *tokenizers)
+    checked = getattr(engine, "_draft_model_checked", None)
+    if checked is None or not all(a is b for a, b in zip(checked, key)):
+        check_draft_model(engine.model, engine.draft_model, *tokenizers)
+        engine._draft_model_checked = key
+    return DraftModelDrafter(engine.draft_model, engine.model, *tokenizers, checked=True)
