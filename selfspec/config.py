@@ -38,8 +38,10 @@ class SelfSpecConfig:
             raise ValueError(
                 f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}."
             )
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}.")
+        known = registered_drafters()
+        if self.drafter not in known:
+            raise ValueError(f"drafter must be one of {known}, got {self.drafter!r} (register your own with "
+                             f"selfspec.drafters.register_drafter(name, factory)).")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 1:
@@ -80,6 +82,13 @@ class SelfSpecConfig:
 
     def replace(self, **overrides) -> "SelfSpecConfig":
         return dataclasses.replace(self, **overrides)
+
+
+def registered_drafters() -> tuple:
+    """Built-in drafters plus any registered with selfspec.drafters.register_drafter."""
+    from .drafters import DRAFTER_FACTORIES  # late: the drafters import the engine, which imports this module
+
+    return tuple(dict.fromkeys([*DRAFTERS, *DRAFTER_FACTORIES]))
 
 
 def read_config_json(path: str) -> dict:

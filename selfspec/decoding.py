@@ -6,6 +6,7 @@ not yet in the cache); drafts of the current step sit in `seq` right after `seq_
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -159,6 +160,29 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
     return state.process(out.logits(state.adapter, last_only=True).float())
 
 
+def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_layer: int) -> Draft:
+    """The loop's side of the drafter contract: check what a drafter proposed, write the tokens into the
+    sequence (emit and the processors read them there), and propose nothing for rows that have finished."""
+    name = getattr(drafter, "name", None) or type(drafter).__name__
+    tokens = draft.tokens
+    if tokens.dim() != 2 or tokens.shape[0] != state.batch or tokens.shape[1] > k:
+        raise ValueError(f"Drafter {name!r} proposed tokens of shape {tuple(tokens.shape)}; the loop asked for at "
+                         f"most {k} per row of a batch of {state.batch}: return Draft(tokens=(B, <= k) ids, ...).")
+    if draft.hidden is not None:
+        if draft.hidden_layer != exit_layer:
+            raise ValueError(f"Drafter {name!r} handed over hidden states of layer {draft.hidden_layer}, but the "
+                             f"verifier continues from layer {exit_layer}: set the config's exit_layer to the "
+                             f"drafter's layer (or draft with a head at layer {exit_layer}).")
+        if draft.hidden.shape[1] > tokens.shape[1] + 1:
+            raise ValueError(f"Drafter {name!r} handed over {draft.hidden.shape[1]} hidden states for "
+                             f"{tokens.shape[1] + 1} verify inputs (the pending token and the drafts).")
+    if tokens.shape[1]:
+        cols = state.seq_len[:, None] + torch.arange(tokens.shape[1], device=state.device)[None, :]
+        state.seq.scatter_(1, cols, tokens)
+    draft_len = draft.draft_len.clamp(0, tokens.shape[1]).masked_fill(state.finished, 0)
+    return dataclasses.replace(draft, draft_len=draft_len)
+
+
 def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
     """Run the pending token and the drafts through the layers they have not seen; processed logits (B, k+1, V)."""
     base = state.ctx.cache.layer_length(state.adapter.num_layers - 1)  # slots of the verified prefix
@@ -296,7 +320,7 @@ def _speculative_step(ctx, drafter, state, settings, stats) -> None:
     k = draft_budget(settings.max_draft_tokens, state.remaining())
     base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)  # the verified prefix
     t0 = time.perf_counter()
-    draft = drafter.propose(state, k)
+    draft = take_draft(state, drafter, drafter.propose(state, k), k, settings.exit_layer)
     if settings.timed:
         _sync(state.device)
     t1 = time.perf_counter()

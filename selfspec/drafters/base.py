@@ -14,6 +14,8 @@ class Draft:
     # (B, m, H) layer-E states of the first m verify inputs (pending token, then drafts), already run through
     # layers [0, E) into the shared cache; verification runs [0, E) only for inputs m..k.
     hidden: torch.Tensor | None = None
+    # the layer E whose input `hidden` is; the loop refuses states from any layer but the one it verifies from
+    hidden_layer: int | None = None
 
     @property
     def k(self) -> int:
@@ -27,7 +29,12 @@ class Draft:
 
 class Drafter:
     """Proposes tokens for the verifier. Subclasses override `propose`; `begin`/`accepted` are hooks for drafters
-    with state of their own (a draft model's cache, a head's attention cache)."""
+    with state of their own (a draft model's cache, a head's attention cache).
+
+    A drafter only proposes: the loop writes the proposed tokens into the sequence, masks rows that have
+    finished and checks that hidden states come from the layer it verifies from (decoding.take_draft). A drafter
+    may still write its drafts early (state.write_draft) so that logits processors reading the prefix see them
+    while it drafts the next one; nothing else relies on that."""
 
     name = "none"
     uses_early_layers = False

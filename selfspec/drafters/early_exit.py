@@ -73,6 +73,7 @@ class EarlyExitDrafter(Drafter):
             draft_len=draft_len,
             q=torch.stack(qs[:width], dim=1) if (qs and width) else None,
             hidden=torch.cat(hiddens[: width + 1], dim=1),
+            hidden_layer=self.exit_layer,
         )
 
 

@@ -109,7 +109,8 @@ class HybridDrafter(Drafter):
             extending = extending & ~(proposing & ~take) & ~(take & state.is_eos(token)) & (draft_len < k)
         width = int(draft_len.max())
         q = _mixed_q(tokens[:, :width], head_q, state.vocab_size) if state.do_sample else None
-        return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1))
+        return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1),
+                     hidden_layer=self.early.exit_layer)
 
 
 def _ngram_draft(state, tokens, length) -> Draft:

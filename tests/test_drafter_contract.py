@@ -1,0 +1,103 @@
+"""The drafter contract (decoding.take_draft): drafters only propose; the loop writes their tokens, masks finished
+rows and refuses hidden states from a layer other than the one it verifies from. Checked with a drafter written
+and registered here, outside the package, as a user would."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from conftest import make_model, prompt
+from selfspec.drafters import Draft, Drafter, EarlyExitDrafter, register_drafter
+from selfspec.heads import ExitHead
+
+
+class RepeatLastDrafter(Drafter):
+    """Proposes the last token k times and never touches the state: a pure proposer."""
+
+    name = "repeat-last"
+
+    def propose(self, state, k):
+        tokens = state.pending[:, None].repeat(1, k)
+        return Draft(tokens=tokens, draft_len=torch.full_like(state.pending, k))
+
+
+class CycleDrafter(Drafter):
+    """Proposes tokens from a fixed cycle, some of them right for a model trained on nothing: enough accepted
+    drafts that emitting the wrong tokens would show."""
+
+    name = "cycle"
+
+    def __init__(self, reference):
+        self.reference = reference  # (T,) plain greedy continuation
+
+    def propose(self, state, k):
+        done = state.lengths[0] - state.prompt_len
+        ref = self.reference[done: done + k]
+        if ref.numel() == 0:
+            return Draft.empty(state.batch, state.device)
+        tokens = ref.clone()
+        tokens[1::3] = (tokens[1::3] + 1) % 96  # every third draft wrong
+        return Draft(tokens=tokens[None, :], draft_len=torch.tensor([tokens.numel()]))
+
+
+def _plain(model, ids, new=20):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", 6)
+
+
+def test_registered_outside_drafter_runs_by_name_and_stays_exact(model):
+    register_drafter("repeat-last", lambda engine: RepeatLastDrafter())
+    ids = prompt(seed=3, length=9)
+    want = _plain(model, ids)
+    selfspec.wrap(model, drafter="repeat-last", max_draft_tokens=3)
+    try:
+        got = _plain(model, ids)
+        assert model.selfspec.last_stats.drafted_tokens > 0
+    finally:
+        selfspec.unwrap(model)
+    assert torch.equal(got, want)
+
+
+def test_loop_writes_accepted_drafts_the_drafter_never_wrote(model):
+    ids = prompt(seed=5, length=9)
+    want = _plain(model, ids, new=24)
+    selfspec.wrap(model, drafter=CycleDrafter(want[0, ids.shape[1]:]), max_draft_tokens=4)
+    try:
+        got = _plain(model, ids, new=24)
+        stats = model.selfspec.last_stats
+    finally:
+        selfspec.unwrap(model)
+    assert stats.accepted_tokens > 3  # drafts were accepted, so the emitted text came from the loop's writes
+    assert torch.equal(got, want)
+
+
+def test_hidden_states_from_another_layer_are_refused(model):
+    head = ExitHead(2)  # a drafter exiting at layer 2 while the config verifies from layer 4
+    with pytest.raises(ValueError, match="exits at layer 2, but exit_layer=4"):  # wrap refuses it at once
+        selfspec.wrap(model, drafter=EarlyExitDrafter(head), exit_layer=4, max_draft_tokens=3)
+    selfspec.wrap(model, drafter=EarlyExitDrafter(head), max_draft_tokens=3)
+    model.selfspec.config = model.selfspec.config.replace(exit_layer=4)  # and the loop, when changed afterwards
+    try:
+        with pytest.raises(ValueError, match="hidden states of layer 2, but the verifier continues from layer 4"):
+            _plain(model, prompt(seed=1, length=6))
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_more_drafts_than_asked_are_refused(model):
+    class Greedy(Drafter):
+        def propose(self, state, k):
+            return Draft(tokens=state.pending[:, None].repeat(1, k + 2), draft_len=torch.full_like(state.pending, k))
+
+    selfspec.wrap(model, drafter=Greedy(), max_draft_tokens=2)
+    try:
+        with pytest.raises(ValueError, match="asked for at most 2"):
+            _plain(model, prompt(seed=1, length=6))
+    finally:
+        selfspec.unwrap(model)
