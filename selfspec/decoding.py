@@ -221,7 +221,8 @@ def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor,
         [count, n, done.long(), draft.draft_len]).tolist()
     if state.settings.criteria:
         counts, done_list = _apply_criteria(state, counts, done_list, logits)
-        count, done = torch.tensor(counts, device=state.device), torch.tensor(done_list, device=state.device)
+        count = torch.tensor(counts, device=state.device)
+        done = torch.tensor(done_list, dtype=torch.bool, device=state.device)
     _record(state, counts, logits)
     live = [not d for d in state.done]
     state.seq_len += count

@@ -40,14 +40,6 @@ def model(tok):
     return m.double().eval()
 
 
-# selfspec/decoding.py since b2841be: with stopping criteria (stop strings, user criteria) `emit` rebuilds
-# `state.finished` as torch.tensor(done_list), a long tensor (done_list holds 0/1 ints), and the next masked_fill
-# raises "masked_fill_ only supports boolean masks" unless every row stops at its first token. The fix, in emit:
-# done = torch.tensor(done_list, dtype=torch.bool, device=state.device). Remove this marker once it is in.
-CRITERIA_BUG = pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                 reason="decoding.emit builds `finished` as a long tensor when criteria are set")
-
-
 def both(model, fn, **cfg):
     """fn(model) on the plain model, then wrapped; returns (plain, wrapped) results."""
     plain = fn(model)
@@ -118,7 +110,6 @@ class StopAfter(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-@CRITERIA_BUG
 def test_custom_processor_and_criteria(model, tok):
     enc = ids_of(tok)
     free = model.generate(**enc, max_new_tokens=30, do_sample=False)[0, enc["input_ids"].shape[1]:]
@@ -131,7 +122,6 @@ def test_custom_processor_and_criteria(model, tok):
     assert torch.equal(plain, wrapped) and plain.shape[1] < enc["input_ids"].shape[1] + 30
 
 
-@CRITERIA_BUG
 def test_stop_strings(model, tok):
     enc = ids_of(tok)
     text = tok.decode(model.generate(**enc, max_new_tokens=30, do_sample=False)[0, enc["input_ids"].shape[1]:])
@@ -218,7 +208,6 @@ def batch_of(tok):
     return tok(TEXTS, return_tensors="pt", padding=True)  # left-padded: rows of different lengths
 
 
-@CRITERIA_BUG
 def test_stop_strings_batch(model, tok):
     enc = batch_of(tok)
     width = enc["input_ids"].shape[1]
