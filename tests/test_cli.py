@@ -2,7 +2,7 @@
 Fast tests run on a tiny local Llama directory; the `slow` ones on the embedded SmolLM2 in a subprocess."""
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 import types
@@ -176,7 +176,7 @@ def test_errors_in_other_subcommands_are_one_line(capsys, monkeypatch):
 
 
 def test_one_line_and_debug_traceback_in_a_real_process(tmp_path):
-    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = run("generate", "--model", "smollm2-135", "Hi", env=env, timeout=300)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
     assert "did you mean 'smollm2-135m'" in out.stderr
@@ -340,4 +340,3 @@ def test_pipeline_and_legacy_unpacking(smollm2):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         selfspec.from_pretrained("smollm2-135m", dtype="float32")  # no warning unless unpacked
-    json.dumps(only.selfspec.config.to_dict())

@@ -75,7 +75,7 @@ def undefined_and_unused(source: str) -> tuple[list[str], list[str]]:
     tree = ast.parse(source)
     defined, imported, loaded = set(dir(builtins)), {}, []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__":
             for alias in node.names:
                 name = alias.asname or alias.name.split(".")[0]
                 imported[name] = node.lineno
