@@ -95,6 +95,17 @@ def test_help_does_not_import_torch():
     assert "HEAVY []" in out.stdout, out.stdout[-300:]
 
 
+def test_lazy_package_names_survive_submodule_imports():
+    """`import selfspec` is lazy; importing the submodule selfspec/wrap.py (as selfspec.pretrained does) must not
+    turn the public function `selfspec.wrap` into that module."""
+    code = ("import selfspec, sys\nassert 'torch' not in sys.modules\nimport selfspec.pretrained\n"
+            "from selfspec import wrap, unwrap, load, from_pretrained, SelfSpecConfig, GenerationStats\n"
+            "assert callable(selfspec.wrap) and selfspec.wrap is wrap and wrap.__module__ == 'selfspec.wrap'\n"
+            "assert 'load' in dir(selfspec)\nprint('OK')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
 def test_bench_and_train_heads_help_text():
     bench = run("bench", "--help")
     assert bench.returncode == 0 and "(default: None)" not in bench.stdout, bench.stdout
@@ -340,3 +351,24 @@ def test_pipeline_and_legacy_unpacking(smollm2):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         selfspec.from_pretrained("smollm2-135m", dtype="float32")  # no warning unless unpacked
+
+
+def test_from_pretrained_returns_the_model_and_old_unpacking_warns(tiny):
+    import warnings
+
+    import torch
+
+    import selfspec
+
+    model = selfspec.from_pretrained(tiny, exit_layer=2)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.selfspec.config.exit_layer == 2
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # using the model raises no deprecation
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert model.selfspec.last_stats is not None and out.shape[1] <= ids.shape[1] + 4
+    with pytest.warns(DeprecationWarning, match=r"selfspec\.load"):
+        legacy, tok = selfspec.from_pretrained(tiny, exit_layer=2)
+    assert hasattr(legacy, "selfspec") and tok("w1")["input_ids"]
+    pair = selfspec.load(tiny, exit_layer=2)
+    assert isinstance(pair, tuple) and len(pair) == 2 and hasattr(pair[0], "selfspec")
