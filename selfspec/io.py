@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import SelfSpecConfig, read_config_json
-from .heads import ExitHead, build_head
+from .heads import ExitHead, build_head, dense_rows
 
 HEADS_FILE = "heads.safetensors"
 _FINGERPRINT_ROWS = 64
@@ -20,7 +20,7 @@ def model_identity(adapter) -> dict:
     """model_type, sizes and a dtype-robust fingerprint of the LM head: statistics of 64 fixed rows."""
     weight = adapter.lm_head.weight
     rows = torch.linspace(0, weight.shape[0] - 1, _FINGERPRINT_ROWS).long().to(weight.device)
-    sample = weight[rows].float()
+    sample = dense_rows(weight, rows).float()  # a collective on a tensor-parallel model
     return {
         "model_type": adapter.config.model_type,
         "hidden_size": adapter.hidden_size,
