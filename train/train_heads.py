@@ -252,8 +252,20 @@ def head_dtype(head):
     return params[0].dtype if params else torch.float32
 
 
+def refuse_tensor_parallel(model=None) -> None:
+    """Heads train in one process on hidden states cached by train.collect; a torchrun job (or a model whose
+    weights are sharded DTensors) would train one copy per rank and race on out_dir."""
+    from selfspec.distributed import is_tensor_parallel
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or (model is not None and is_tensor_parallel(model)):
+        raise SystemExit("train.train_heads runs in one process, not under torchrun or on a tensor-parallel model: "
+                         "run it without torchrun (heads train on cached hidden states), then load the heads on "
+                         "every rank with selfspec.wrap(model, out_dir).")
+
+
 def main(argv=None) -> int:
     cfg = load_config(argv)
+    refuse_tensor_parallel()
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
@@ -266,6 +278,7 @@ def main(argv=None) -> int:
 
     # the frozen base model, reached through its adapter (final norm + LM head shared with the heads)
     model, tok = resolve_model(cfg.model or "smollm2-135m", dtype=dtype, device=cfg.device)
+    refuse_tensor_parallel(model)
     model.requires_grad_(False)
     selfspec.wrap(model, exit_layer=cfg.exit_layers[0])
     adapter = model.selfspec.adapter
