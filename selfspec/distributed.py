@@ -15,9 +15,10 @@ ranks would feed different tokens into one sharded forward pass.
 Drafts are not broadcast: the drafter runs on every rank from the same replicated hidden states (and, when
 sampling, the same generator state), so they are identical, and a broadcast per drafted token would add K
 collectives to every step. A divergent draft is caught instead: a rejected one cannot change the output (its
-cache slots are rolled back) and a divergent accepted one shows up in `n` or the next token (their acceptance is
-decided from logits every rank shares); a caller that passes the drafts makes the check exact for accepted drafts
-too.
+cache slots are rolled back); a divergent accepted one always changes `n` in greedy decoding (two different drafts
+cannot both equal the argmax of logits every rank shares), and when sampling changes `n` or the token unless the
+ranks' generators happen to agree on both. A caller that passes the drafts makes the check exact for accepted
+drafts (a checksum of them joins the all-gather).
 
 Single-process runs (torch.distributed not initialized, or one rank) take no collective and no device sync.
 """
