@@ -129,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    model.generate(ids, attention_mask=mask, streamer=streamer, **gen)
+    out = model.generate(ids, attention_mask=mask, streamer=streamer, **gen)
     seconds = time.perf_counter() - start
     st = model.selfspec.last_stats
     cfg = model.selfspec.config
+    new_tokens = out.shape[1] - ids.shape[1]
     # the streamer ended the answer with a newline
-    print(f"[selfspec] {st.new_tokens} tokens in {seconds:.2f}s = {st.new_tokens / seconds:.1f} tok/s | "
-          f"mean accepted tokens {st.mean_accepted_tokens:.2f} | acceptance rate {st.acceptance_rate:.1%} | "
+    speculative = (f"mean accepted tokens {st.mean_accepted_tokens:.2f} | acceptance rate {st.acceptance_rate:.1%}"
+                   if st is not None else "ran the plain generate (see the warning above)")
+    print(f"[selfspec] {new_tokens} tokens in {seconds:.2f}s = {new_tokens / seconds:.1f} tok/s | {speculative} | "
           f"drafter {cfg.drafter}, exit layer {cfg.exit_layer}, K={cfg.max_draft_tokens}, {dtype_name(model.dtype)}",
           file=sys.stderr)
     if args.compare:
