@@ -83,6 +83,12 @@ class SpecLayer(DynamicLayer):
             raise ValueError("crop takes a negative number of tokens to remove; use truncate(length) instead.")
         self.truncate(self.length + tokens_to_remove)
 
+    def allocated_bytes(self) -> int:
+        """Bytes of this layer's K and V buffers (their whole capacity, not just the live part)."""
+        if self._k is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
     def reset(self) -> None:
         self.length = 0
         self._k = self._v = None

@@ -105,6 +105,7 @@ class DecodeState:
         self.lengths: list[int] = [self.prompt_len] * self.batch
         self.done: list[bool] = [False] * self.batch
         self.capacity = capacity
+        self.step = 0  # decode steps so far (0: the token after prefill)
         self.keep_prompt_hidden = False  # set from the drafter: only heads with a cache of their own need them
         self.prompt_hidden = None
 
@@ -201,8 +202,10 @@ def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
 def choose(state: DecodeState, draft: Draft, logits: torch.Tensor):
     """Accepted drafts n (B,) and the verifier's token (B,), the same on every rank of a tensor-parallel job."""
     if not state.do_sample:
-        return agree_across_ranks(*verify_greedy(draft.tokens, logits, draft.draft_len))
-    return agree_across_ranks(*verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len))
+        n, token = verify_greedy(draft.tokens, logits, draft.draft_len)
+    else:
+        n, token = verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len)
+    return agree_across_ranks(n, token, draft.tokens, step=state.step)
 
 
 def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, logits: torch.Tensor) -> "Emitted":
@@ -294,7 +297,30 @@ def speculative_decode(ctx: StepContext, drafter: Drafter, input_ids, attention_
     finally:
         if settings.streamer is not None:  # a consumer thread must see the end, even after an error
             settings.streamer.end()
+        release_cache(ctx)
     return _sequences(state), state, stats
+
+
+def release_cache(ctx: StepContext) -> None:
+    """Free the call's KV buffers as soon as the last step is done (the state returned to the caller keeps only
+    tokens and scores), and on a CPU hand the freed pages back to the system when they were many: glibc keeps
+    freed heap pages mapped, which would leave a long prompt's cache counted in the process's memory."""
+    freed = sum(layer.allocated_bytes() for layer in ctx.cache.layers)
+    ctx.cache.reset()
+    if ctx.slots.pos.device.type == "cpu" and freed >= RETURN_TO_OS_BYTES:
+        return_free_memory_to_os()
+
+
+RETURN_TO_OS_BYTES = 32 * 2**20  # below this the trim costs more than it returns
+
+
+def return_free_memory_to_os() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides for itself
+        pass
 
 
 def _decode_steps(ctx, drafter, state, settings, stats) -> None:
@@ -303,7 +329,7 @@ def _decode_steps(ctx, drafter, state, settings, stats) -> None:
     state.keep_prompt_hidden = drafter.needs_prompt_hidden
     logits = prefill(state, settings.exit_layer)
     first = sample(logits_to_probs(logits[:, 0])) if state.do_sample else logits[:, 0].argmax(-1)
-    first = agree_across_ranks(torch.zeros_like(first), first)[1]
+    first = agree_across_ranks(torch.zeros_like(first), first, step=0)[1]
     step = emit(state, Draft.empty(state.batch, state.device), torch.zeros_like(first), first, logits)
     rollback_noop(state, first)
     drafter.begin(state)
@@ -318,6 +344,7 @@ def _decode_steps(ctx, drafter, state, settings, stats) -> None:
 
 def _speculative_step(ctx, drafter, state, settings, stats) -> None:
     """One draft -> verify -> emit -> rollback round over the whole batch, with its stats."""
+    state.step += 1
     k = draft_budget(settings.max_draft_tokens, state.remaining())
     base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)  # the verified prefix
     t0 = time.perf_counter()

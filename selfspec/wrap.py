@@ -36,7 +36,6 @@ class SelfSpecEngine:
         # or failed, so that stats of an earlier call are never shown as this one's.
         self.last_stats: GenerationStats | None = None
         self.last_fallback: str | None = None
-        self.last_state = None
 
     # --- heads and drafters ----------------------------------------------------------------------
     def head_for(self, exit_layer: int) -> ExitHead:
@@ -106,7 +105,7 @@ class SelfSpecEngine:
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)
-        self.last_stats, self.last_state = stats, state
+        self.last_stats = stats  # the state (and its KV cache) goes back to the caller only, never kept here
         return sequences, state
 
     def save_pretrained(self, directory: str) -> str:
