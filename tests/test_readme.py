@@ -19,10 +19,6 @@ NEEDS = re.compile(r"^#\s*needs:\s*(.+)$")
 # What a `needs` marker names, and why such a block cannot run here.
 NEEDS_WHY = {"hub": "downloads a checkpoint from the Hugging Face hub", "gpu": "needs a CUDA GPU"}
 
-# Blocks in README sections this test's author does not own and which still lack their `# needs:` marker, skipped
-# by a string they contain (remove an entry once its block carries the marker).
-UNMARKED = {"meta-llama/Llama-3.1-70B-Instruct": ["hub", "gpu"]}
-
 # What makes a block load the real SmolLM2 (and so `slow`).
 SMOLLM2 = ("converted_model_dir", "load_default_model", "smollm2-135m", "model_cache_dir")
 
@@ -33,9 +29,6 @@ class Block:
         first = source.lstrip().splitlines()[0] if source.strip() else ""
         match = NEEDS.match(first.strip())
         self.needs = [w.strip() for w in match.group(1).split(",")] if match else []
-        for key, needs in UNMARKED.items():
-            if key in source and not self.needs:
-                self.needs = needs
         self.slow = any(word in source for word in SMOLLM2)
 
     @property
