@@ -930,6 +930,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
 
     spec = spec or SearchSpec()
     _ensure_wrapped(model)
+    model.selfspec.timed = True  # the cost model reads draft and verify seconds: make them true on a GPU too
     engine = model.selfspec
     base = engine.config
     space = resolve_space(spec, engine.adapter.num_layers, list(engine.heads), DRAFTER_FACTORIES)

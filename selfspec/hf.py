@@ -11,7 +11,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .decoding import DecodeSettings
-from .processing import PrefixProcessor
+from .processing import PrefixProcessor, impure_processor_reason
 
 _warned: set[str] = set()
 
@@ -53,7 +53,8 @@ def wrapped_generate(model, inputs=None, generation_config=None, logits_processo
                      streamer=None, **kwargs):
     """Replaces `model.generate` on a wrapped instance (the class's generate is untouched)."""
     gen, _ = model._prepare_generation_config(generation_config, **dict(kwargs))
-    reason = fallback_reason(gen, kwargs, _batch_size(inputs, kwargs), streamer)
+    reason = fallback_reason(gen, kwargs, _batch_size(inputs, kwargs), streamer) or \
+        impure_processor_reason(logits_processor)
     engine = model.selfspec
     engine.last_fallback = reason
     if reason is not None:
@@ -101,6 +102,7 @@ def _speculative_loop(model, input_ids, logits_processor, stopping_criteria, gen
         criteria=criteria,
         streamer=selfspec_streamer,
         output_scores=bool(generation_config.output_scores and generation_config.return_dict_in_generate),
+        timed=engine.timed,
     )
     sequences, state = engine.decode(input_ids, model_kwargs.get("attention_mask"), settings,
                                      tokenizers=selfspec_tokenizers)

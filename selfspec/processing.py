@@ -23,6 +23,40 @@ _PREFIX_FREE = tuple(
     if hasattr(lp, name)
 )
 
+# Hugging Face processors that keep state between calls or call back into user code: speculation calls a
+# processor on drafts that are later rejected and on several positions per step, so these cannot run inside it.
+_STATEFUL_HF = tuple(
+    getattr(lp, name)
+    for name in (
+        "UnbatchedClassifierFreeGuidanceLogitsProcessor", "ClassifierFreeGuidanceLogitsProcessor",
+        "PrefixConstrainedLogitsProcessor", "WhisperTimeStampLogitsProcessor", "WhisperNoSpeechDetection",
+    )
+    if hasattr(lp, name)
+)
+# A processor of one's own declares itself a pure function of (input_ids, scores), safe to call on any prefix in
+# any order, with this attribute; without it selfspec cannot know and runs the plain generate instead.
+PURE_ATTRIBUTE = "selfspec_pure"
+
+
+def is_pure(processor) -> bool:
+    """Whether a logits processor's output depends only on (input_ids, scores) of the call."""
+    declared = getattr(processor, PURE_ATTRIBUTE, None)
+    if declared is not None:
+        return bool(declared)
+    own = type(processor).__module__ == lp.__name__  # Hugging Face's own processors read only their arguments
+    return own and not isinstance(processor, _STATEFUL_HF)
+
+
+def impure_processor_reason(processors) -> str | None:
+    """Why these user processors cannot run speculatively, or None."""
+    names = [type(p).__name__ for p in (processors or []) if not is_pure(p)]
+    if not names:
+        return None
+    return (f"logits processor(s) {', '.join(names)} may keep state between calls, and speculation calls them on "
+            f"drafts that are later rejected (set `{PURE_ATTRIBUTE} = True` on a processor whose output depends only "
+            f"on its (input_ids, scores) arguments to let it run speculatively)")
+
+
 # Processors holding one value per batch row (HF sets the repetition penalty's per-row padding length, so that
 # left padding is not penalised): a call on a subset of rows needs those values sliced to the same rows.
 _PER_ROW_ATTRS = {lp.RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",)}

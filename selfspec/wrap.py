@@ -36,6 +36,9 @@ class SelfSpecEngine:
         # or failed, so that stats of an earlier call are never shown as this one's.
         self.last_stats: GenerationStats | None = None
         self.last_fallback: str | None = None
+        # Synchronise the device around drafting and verifying so last_stats' per-phase seconds are true on a GPU
+        # (the calibrator's cost model reads them); off by default, since every sync stalls the pipeline.
+        self.timed = False
 
     # --- heads and drafters ----------------------------------------------------------------------
     def head_for(self, exit_layer: int) -> ExitHead:
