@@ -10,8 +10,8 @@ import sys
 
 COMMANDS = {
     "generate": ("selfspec.generate_cli", "stream an answer from a (wrapped) model and print speed stats"),
-    "bench": ("selfspec.bench", "Spec-Bench-style benchmark against Hugging Face's own methods"),
-    "calibrate": ("selfspec.calibrate", "Optuna search for the fastest exit layer / draft length on this device"),
+    "bench": ("selfspec.tools.bench", "Spec-Bench-style benchmark against Hugging Face's own methods"),
+    "calibrate": ("selfspec.tools.calibrate", "Optuna search for the fastest exit layer / draft length on this device"),
     "train-heads": ("train.train_heads", "train early-exit heads by self-distillation"),
 }
 

@@ -9,8 +9,8 @@ import transformers as tf
 
 import selfspec
 from conftest import make_model, padded_batch, prompt
-from selfspec import bench
 from selfspec.drafters.oracle import OracleDrafter
+from selfspec.tools import bench
 
 EOS = 2
 SMALL = dict(model="tiny-llama", exit_layer=2, max_draft_tokens=4, max_new_tokens=12, warmup_tokens=4, tune_tokens=4)

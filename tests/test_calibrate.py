@@ -10,10 +10,10 @@ import torch
 
 import selfspec
 from conftest import make_model, prompt
-from selfspec import cost_model
-from selfspec.calibrate import (REPO_ROOT, SearchSpec, calibrate, load_calibration_texts, load_search_spec,
-                                pick_prompts, resolve_space)
 from selfspec.drafters import DRAFTER_FACTORIES
+from selfspec.tools import cost_model
+from selfspec.tools.calibrate import (REPO_ROOT, SearchSpec, calibrate, load_calibration_texts, load_search_spec,
+                                      pick_prompts, resolve_space)
 
 optuna = pytest.importorskip("optuna")
 

@@ -9,7 +9,7 @@ import selfspec
 from selfspec import decoding
 from selfspec.drafters.oracle import OracleDrafter
 from selfspec.sampling import verify_greedy
-from selfspec.verdict import DIFFERS, NEAR_TIE, PlainLogits, decide, first_difference, judge
+from selfspec.tools.verdict import DIFFERS, NEAR_TIE, PlainLogits, decide, first_difference, judge
 
 
 def test_rule_and_first_difference():

@@ -1,0 +1,883 @@
+"""`selfspec bench`: Spec-Bench-style benchmark of self-speculative decoding against Hugging Face's own methods.
+
+One model load; every method runs on the same prompts and weights, interleaved prompt by prompt (the baseline
+first, the others in an order that rotates per prompt) after a warm-up, with the device synchronised around each
+timed `generate`. Each method's output is checked token for token against the plain model's (`hf-greedy`). Where
+it parts from it, the first differing position gets a verdict (verdict.py): *near-tie* where the plain model's
+own gap between the two tokens is within its 1-token vs multi-token rounding discrepancy there (half precision
+rounds those passes differently), else *differs*, a bug. Each is printed to stderr as it happens, counted per
+method (identical / near-tie / differs) and kept in the JSON; --strict fails on *differs* only.
+
+    selfspec bench --limit 4                        # 4 prompts per eval category, SmolLM2-135M, greedy
+    python -m selfspec.bench --methods hf-greedy selfspec oracle --categories qa --max-new-tokens 64
+
+Writes `results.md` (a table per category and overall), `results.json` (machine, versions, model, settings,
+per-prompt records) and `speedup.png` into `--output`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import SelfSpecConfig
+from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, load_prompts
+from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge
+
+BASELINE = "hf-greedy"
+ORACLE = "oracle"
+DEFAULT_OUTPUT_ROOT = "bench_results"
+
+
+# --- settings -------------------------------------------------------------------------------------------------
+@dataclass
+class BenchConfig:
+    model: str = "smollm2-135m"
+    prompts: str | None = None  # Spec-Bench-format JSONL; None = the Spec-Bench questions shipped in the package
+    categories: tuple | None = None  # None = the eval split of the shipped file, every category of --prompts
+    limit: int | None = None  # prompts per category
+    max_new_tokens: int = 128
+    batch_size: int = 1
+    methods: tuple = ()  # empty = default_methods()
+    exit_layer: int | None = None  # overrides the selfspec config's, for every engine method
+    max_draft_tokens: int | None = None
+    heads: str | None = None  # directory with selfspec_config.json (+ heads) for the `selfspec` method
+    hf_exit_layers: tuple = ()  # candidates for hf-early-exit; empty = L/4, L/2, 3L/4 and the selfspec exit
+    prompt_lookup_tokens: int = 10  # Hugging Face's documented example value
+    sample: bool = False
+    temperature: float = 1.0
+    seed: int = 0
+    warmup_tokens: int = 16
+    tune_tokens: int = 32
+    dtype: str = "auto"  # auto: the checkpoint's own; the embedded model: bf16 where the CPU/GPU computes it
+    device: str = "cpu"
+    threads: int | None = None
+    chat_template: bool = True
+    output: str | None = None
+    strict: bool = False
+
+
+# --- prompts --------------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    category: str
+    question_ids: list
+    input_ids: torch.Tensor  # (B, T) left-padded
+    attention_mask: torch.Tensor  # (B, T)
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.attention_mask.sum(-1).tolist()
+
+
+@dataclass
+class Workload:
+    batches: list[Batch]  # measured, in category order
+    warmup: Batch  # run once through every method, not recorded
+    tune: list[Batch]  # where hf-early-exit's exit layer is chosen (train split: never the measured prompts)
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (B, T) ids left-padded with pad_id and their (B, T) attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[b, width - len(row):] = 1
+    return ids, mask
+
+
+def encode(tokenizer, prompt: Prompt, chat_template: bool) -> list[int]:
+    if chat_template:
+        return chat_input_ids(tokenizer, prompt.text)[0].tolist()
+    return tokenizer(prompt.text)["input_ids"]
+
+
+def make_batches(tokenizer, prompts: list[Prompt], batch_size: int, chat_template: bool = True) -> list[Batch]:
+    """Consecutive prompts of one category per batch (a category's last batch may be smaller)."""
+    batches = []
+    for category in dict.fromkeys(p.category for p in prompts):
+        group = [p for p in prompts if p.category == category]
+        for i in range(0, len(group), batch_size):
+            chunk = group[i: i + batch_size]
+            ids, mask = left_pad([encode(tokenizer, p, chat_template) for p in chunk], tokenizer.pad_token_id)
+            batches.append(Batch(category, [p.question_id for p in chunk], ids, mask))
+    return batches
+
+
+def check_categories(cfg: BenchConfig) -> None:
+    """The shipped Spec-Bench file's MT-bench categories train and calibrate heads: never report on them."""
+    if cfg.prompts is None and cfg.categories:
+        leaked = sorted(set(cfg.categories) & set(TRAIN_CATEGORIES))
+        if leaked:
+            raise ValueError(f"Categories {leaked} are the training/calibration split of Spec-Bench; benchmark on "
+                             f"the eval split {list(EVAL_CATEGORIES)} (or pass --prompts FILE of your own).")
+
+
+def build_workload(tokenizer, cfg: BenchConfig) -> Workload:
+    check_categories(cfg)
+    categories = list(cfg.categories) if cfg.categories else None
+    prompts = load_prompts(cfg.prompts, split="eval", categories=categories, limit_per_category=cfg.limit)
+    if not prompts:
+        raise ValueError(f"No prompts selected from {cfg.prompts or 'Spec-Bench'} (categories {categories}).")
+    batches = make_batches(tokenizer, prompts, cfg.batch_size, cfg.chat_template)
+    # Warm-up and tuning prompts come from the training split, so no choice is ever made on measured prompts.
+    train = load_prompts(None, split="train", limit_per_category=1)
+    side = make_batches(tokenizer, train[:3], 1, cfg.chat_template)
+    return Workload(batches, warmup=side[0], tune=side[1:])
+
+
+# --- methods --------------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    rows: list[list[int]]  # generated tokens per row, cut after the first EOS
+    seconds: float
+    verify_steps: int | None = None  # full-model passes (prefill included); None when unknown
+    drafted: int | None = None
+    accepted: int | None = None
+    rounds: int | None = None  # the oracle's runs until its reference was its own output
+
+
+class Method:
+    """One way of generating. `run` returns the tokens and the time of one `generate` call on a batch."""
+
+    description = ""
+    hf_assisted = False  # Hugging Face's assisted generation supports batch size 1 only
+
+    def run(self, h: "Harness", batch: Batch, reference: list[list[int]] | None, max_new: int) -> Outcome:
+        raise NotImplementedError
+
+
+class HFMethod(Method):
+    """The unwrapped model's own `generate`, with extra kwargs (assisted generation) from the harness."""
+
+    def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None):
+        self.description, self.extra = description, extra
+        self.hf_assisted = extra is not None
+
+    def run(self, h, batch, reference, max_new):
+        counter = CandidateCounter()
+        with counter.attached(h.model):
+            rows, seconds = h.timed_generate(batch, max_new, **(self.extra(h) if self.extra else {}))
+        new = sum(len(r) for r in rows)
+        if not self.hf_assisted:
+            return Outcome(rows, seconds, verify_steps=new, drafted=0, accepted=0)  # one full pass per token
+        # every assisted step emits its accepted candidates plus one token of the target's own
+        accepted = max(0, min(counter.drafted, new - counter.steps))
+        return Outcome(rows, seconds, verify_steps=counter.steps, drafted=counter.drafted, accepted=accepted)
+
+
+class EngineMethod(Method):
+    """The model wrapped by selfspec with a drafter; `trained` adds the heads/config of --heads (or shipped)."""
+
+    def __init__(self, description: str, drafter: str, trained: bool = False, oracle: bool = False):
+        self.description, self.drafter, self.trained, self.oracle = description, drafter, trained, oracle
+
+    def run(self, h, batch, reference, max_new):
+        if self.oracle:
+            return self.run_oracle(h, batch, reference, max_new)
+        return self.run_once(h, batch, max_new)
+
+    def run_once(self, h, batch, max_new, oracle_rows=None) -> Outcome:
+        import selfspec
+        from ..drafters.oracle import OracleDrafter
+
+        selfspec.wrap(h.model, h.engine_config(self.drafter, self.trained))
+        try:
+            engine = h.model.selfspec
+            for head in (h.heads.values() if self.trained else ()):
+                engine.add_head(head)
+            if oracle_rows is not None:
+                engine.drafter_override = OracleDrafter.from_rows(oracle_rows)
+            rows, seconds = h.timed_generate(batch, max_new)
+            stats = engine.last_stats
+        finally:
+            selfspec.unwrap(h.model)
+        if stats is None:
+            raise RuntimeError(f"selfspec fell back to the plain generate for drafter {self.drafter!r} (see the "
+                               f"warning above), so this method would measure Hugging Face instead of selfspec.")
+        return Outcome(rows, seconds, stats.verify_steps, stats.drafted_tokens, stats.accepted_tokens)
+
+    def run_oracle(self, h, batch, reference, max_new, max_rounds: int = 6) -> Outcome:
+        """Draft the verifier's own output. Plain greedy's output is the first reference; in half precision the
+        verifier's multi-token passes can part from it at a near-tie, so run again with the previous run's output
+        as reference until a run reproduces its reference (every draft accepted); that run is the one timed."""
+        rows = reference
+        for rounds in range(1, max_rounds + 1):
+            outcome = self.run_once(h, batch, max_new, oracle_rows=rows)
+            if outcome.rows == rows:
+                break
+            rows = outcome.rows
+        outcome.rounds = rounds
+        return outcome
+
+
+# name -> method. Adding a drafter to the benchmark is one line here.
+METHODS: dict[str, Method] = {
+    "hf-greedy": HFMethod("plain model.generate (the 1.00x baseline)"),
+    "hf-early-exit": HFMethod("Hugging Face assistant_early_exit=E (E chosen on train-split prompts)",
+                              lambda h: {"assistant_early_exit": h.hf_exit_layer}),
+    "hf-prompt-lookup": HFMethod("Hugging Face prompt_lookup_num_tokens=N",
+                                 lambda h: {"prompt_lookup_num_tokens": h.cfg.prompt_lookup_tokens}),
+    "selfspec-untrained": EngineMethod("selfspec, norm + LM-head exit at E", "early_exit"),
+    "selfspec": EngineMethod("selfspec with trained heads/config (--heads or shipped)", "early_exit", trained=True),
+    "selfspec-ar": EngineMethod("selfspec loop with drafting off (engine overhead)", "none"),
+    "oracle": EngineMethod("selfspec loop drafting the true greedy continuation (upper bound)", "oracle",
+                           oracle=True),
+    "selfspec-ngram": EngineMethod("selfspec, prompt-lookup n-gram drafter", "ngram"),
+    "selfspec-hybrid": EngineMethod("selfspec, n-gram or early-exit drafter per row", "hybrid", trained=True),
+}
+CORE_METHODS = ("hf-greedy", "hf-early-exit", "hf-prompt-lookup", "selfspec-untrained", "selfspec", "selfspec-ar",
+                "oracle")
+
+
+def drafter_available(method: Method) -> bool:
+    from ..drafters import DRAFTER_FACTORIES
+
+    return not isinstance(method, EngineMethod) or method.drafter in DRAFTER_FACTORIES
+
+
+def default_methods(registry: dict[str, Method] = METHODS) -> tuple:
+    """The core methods plus every other registered method whose drafter exists in this checkout."""
+    extra = [n for n in registry if n not in CORE_METHODS and drafter_available(registry[n])]
+    return CORE_METHODS + tuple(extra)
+
+
+def select_methods(cfg: BenchConfig, registry: dict[str, Method]) -> tuple[list[str], dict[str, str]]:
+    """Methods to run (baseline first) and {method: why skipped}."""
+    names = list(dict.fromkeys(cfg.methods or default_methods(registry)))
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise ValueError(f"Unknown method(s) {unknown}; available: {sorted(registry)}.")
+    missing = [n for n in names if not drafter_available(registry[n])]
+    if missing:
+        raise ValueError(f"Method(s) {missing} need drafters not registered in this checkout; available methods: "
+                         f"{[n for n in registry if drafter_available(registry[n])]}.")
+    skipped = {}
+    if cfg.batch_size > 1:
+        skipped = {n: "Hugging Face assisted generation supports batch size 1 only"
+                   for n in names if registry[n].hf_assisted}
+    names = [BASELINE] + [n for n in names if n != BASELINE and n not in skipped]
+    return names, skipped
+
+
+class CandidateCounter:
+    """Counts assisted generation's steps and drafted tokens by wrapping the candidate generator HF builds."""
+
+    def __init__(self):
+        self.steps = self.drafted = 0
+
+    @contextlib.contextmanager
+    def attached(self, model):
+        original = model._get_candidate_generator
+
+        def counting_generator(*args, **kwargs):
+            generator = original(*args, **kwargs)
+            get_candidates = generator.get_candidates
+
+            def counted(input_ids, *a, **kw):
+                candidates, logits = get_candidates(input_ids, *a, **kw)
+                self.steps += 1
+                self.drafted += candidates.shape[1] - input_ids.shape[1]
+                return candidates, logits
+
+            generator.get_candidates = counted
+            return generator
+
+        model._get_candidate_generator = counting_generator  # instance attribute: the class is untouched
+        try:
+            yield self
+        finally:
+            del model._get_candidate_generator
+
+
+# --- the harness ----------------------------------------------------------------------------------------------
+def trim_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """Generated tokens up to and including the first EOS (what follows is padding)."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def eos_ids_of(model, tokenizer=None) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class Harness:
+    """The loaded model and everything every method shares: generate settings, selfspec config, heads."""
+
+    def __init__(self, model, cfg: BenchConfig, pad_id: int, eos_ids: list[int]):
+        self.model, self.cfg, self.pad_id, self.eos_ids = model, cfg, pad_id, set(eos_ids)
+        self.device = next(model.parameters()).device
+        self.num_layers = _num_layers(model)
+        self.base_config, self.heads, self.heads_source = load_selfspec_setup(model, cfg)
+        self.hf_exit_layer = self.base_config.exit_layer
+        self.plain_logits = PlainLogits(model, {"pad_token_id": pad_id})
+        self.per_drafter = self.base_config.metadata.get("calibration", {}).get("per_drafter", {})
+
+    def row_judge(self, batch: Batch, max_new: int) -> Callable:
+        """judge_row(b, got, want) -> Verdict for row b of this batch (its prompt without padding)."""
+        def judge_row(b, got, want):
+            prompt = batch.input_ids[b][batch.attention_mask[b].bool()].tolist()
+            return judge(self.model, self.plain_logits, prompt, got, want, max_new,
+                         chunk=self.base_config.max_draft_tokens + 1)
+        return judge_row
+
+    def engine_config(self, drafter: str, trained: bool) -> SelfSpecConfig:
+        """The config of an engine method: each drafter at the best setting the calibrator measured for it
+        (`metadata.calibration.per_drafter`), unless the command line fixed E or K. Settings found with trained
+        heads are not given to the untrained head; the n-gram drafter has no heads and takes its own."""
+        config = self.base_config if trained else SelfSpecConfig(
+            exit_layer=self.base_config.exit_layer, max_draft_tokens=self.base_config.max_draft_tokens)
+        tuned = dict(self.per_drafter.get(drafter, {})) if (trained or drafter == "ngram") else {}
+        for fixed, key in ((self.cfg.exit_layer, "exit_layer"), (self.cfg.max_draft_tokens, "max_draft_tokens")):
+            if fixed is not None:
+                tuned.pop(key, None)
+        return config.replace(**{**tuned, "drafter": drafter})
+
+    def generate_kwargs(self, max_new: int) -> dict:
+        kw = dict(max_new_tokens=max_new, pad_token_id=self.pad_id, do_sample=self.cfg.sample)
+        if self.cfg.sample:  # plain temperature sampling, whatever the model's generation_config says
+            kw.update(temperature=self.cfg.temperature, top_k=0, top_p=1.0)
+        return kw
+
+    @torch.no_grad()
+    def timed_generate(self, batch: Batch, max_new: int, **extra) -> tuple[list[list[int]], float]:
+        ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        if self.cfg.sample:
+            torch.manual_seed(self.cfg.seed)
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=mask, **self.generate_kwargs(max_new), **extra)
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        new = out[:, ids.shape[1]:].tolist()
+        return [trim_at_eos(row, self.eos_ids) for row in new], seconds
+
+
+def _num_layers(model) -> int:
+    from ..arch import adapter_for
+
+    return adapter_for(model).num_layers
+
+
+def load_selfspec_setup(model, cfg: BenchConfig):
+    """(config, heads {E: head}, where they came from) for the `selfspec` method; CLI overrides applied."""
+    import selfspec
+    from ..pretrained import shipped_dir  # selfspec/assets/<model>/ when the package ships heads for it
+
+    directory = cfg.heads or shipped_dir(str(cfg.model))
+    heads, source = {}, "none found: selfspec == selfspec-untrained (pass --heads DIR)"
+    config = SelfSpecConfig()
+    if directory is not None:
+        if not (Path(directory) / "selfspec_config.json").is_file():
+            raise FileNotFoundError(f"--heads {directory!r}: no selfspec_config.json there; pass a directory "
+                                    f"written by model.selfspec.save_pretrained or by selfspec train-heads.")
+        try:
+            selfspec.wrap(model, str(directory))  # loads config and heads once; methods re-add them per call
+        except ModuleNotFoundError as err:
+            raise ModuleNotFoundError(f"--heads {directory!r}: loading heads needs {err.name}, missing in this "
+                                      f"checkout; run without --heads until head loading lands.") from err
+        config, heads = model.selfspec.config, dict(model.selfspec.heads)
+        source = str(directory) if cfg.heads else f"shipped with selfspec (assets/{Path(directory).name})"
+        selfspec.unwrap(model)
+    overrides = {k: v for k, v in (("exit_layer", cfg.exit_layer), ("max_draft_tokens", cfg.max_draft_tokens))
+                 if v is not None}
+    return config.replace(**overrides).validate(_num_layers(model)), heads, source
+
+
+def hf_exit_candidates(cfg: BenchConfig, num_layers: int, selfspec_exit: int) -> list[int]:
+    wanted = cfg.hf_exit_layers or (round(num_layers / 4), round(num_layers / 2), round(3 * num_layers / 4),
+                                    selfspec_exit)
+    bad = [e for e in wanted if not 1 <= e <= num_layers - 1]
+    if cfg.hf_exit_layers and bad:
+        raise ValueError(f"--hf-exit-layers {bad} out of range: choose layers in [1, {num_layers - 1}].")
+    return sorted({e for e in wanted if 1 <= e <= num_layers - 1})
+
+
+# --- running --------------------------------------------------------------------------------------------------
+@dataclass
+class Record:
+    method: str
+    category: str
+    question_ids: list
+    prompt_tokens: list
+    new_tokens: int
+    seconds: float
+    verify_steps: int | None
+    drafted: int | None
+    accepted: int | None
+    exact: bool | None  # None in sampling mode
+    # {question_id, index, got, expected} per differing row, with its verdict (near-tie / differs), the plain
+    # model's logit gap and its 1-token vs multi-token discrepancy there
+    mismatches: list = field(default_factory=list)
+    outputs: list | None = None  # token rows, kept for the baseline and for mismatches
+    rounds: int | None = None  # oracle only: runs until it drafted its own output
+
+
+def compare_rows(batch: Batch, rows: list[list[int]], reference: list[list[int]],
+                 judge_row: Callable | None = None) -> list[dict]:
+    """One entry per row that differs from the reference; `judge_row(b, got, want)` adds its verdict."""
+    out = []
+    for b, (qid, got, want) in enumerate(zip(batch.question_ids, rows, reference)):
+        i = first_difference(got, want)
+        if i is None:
+            continue
+        entry = {"question_id": qid, "index": i, "got": got[i] if i < len(got) else None,
+                 "expected": want[i] if i < len(want) else None, "verdict": DIFFERS}
+        if judge_row is not None:
+            entry.update(judge_row(b, got, want).to_dict())
+            entry["verdict"] = entry.pop("kind")
+        out.append(entry)
+    return out
+
+
+def make_record(name: str, batch: Batch, outcome: Outcome, reference, sample: bool,
+                judge_row: Callable | None = None) -> Record:
+    mismatches = [] if sample or reference is None else compare_rows(batch, outcome.rows, reference, judge_row)
+    keep = name == BASELINE or bool(mismatches)
+    return Record(name, batch.category, list(batch.question_ids), batch.prompt_tokens,
+                  sum(len(r) for r in outcome.rows), outcome.seconds, outcome.verify_steps, outcome.drafted,
+                  outcome.accepted, None if sample else not mismatches, mismatches,
+                  outcome.rows if keep else None, outcome.rounds)
+
+
+def method_order(names: list[str], index: int) -> list[str]:
+    """Baseline first (the oracle needs its output), the others rotated by prompt so order effects average out."""
+    rest = names[1:]
+    k = index % len(rest) if rest else 0
+    return [names[0]] + rest[k:] + rest[:k]
+
+
+def run_batch(h: Harness, registry: dict, names: list[str], batch: Batch, max_new: int, index: int = 0,
+              on_done: Callable[[Record], None] | None = None) -> list[Record]:
+    records, reference = [], None
+    for name in method_order(names, index):
+        outcome = registry[name].run(h, batch, reference, max_new)
+        if name == BASELINE:
+            reference = outcome.rows
+        record = make_record(name, batch, outcome, reference, h.cfg.sample, h.row_judge(batch, max_new))
+        records.append(record)
+        if on_done is not None:
+            on_done(record)
+    return records
+
+
+def tune_hf_exit(h: Harness, registry: dict, batches: list[Batch], candidates: list[int]) -> dict[int, float]:
+    """tokens/s of hf-early-exit at each candidate E on the tuning prompts; sets h.hf_exit_layer to the best."""
+    speeds = {}
+    for e in candidates:
+        h.hf_exit_layer = e
+        outcomes = [registry["hf-early-exit"].run(h, b, None, h.cfg.tune_tokens) for b in batches]
+        speeds[e] = sum(sum(map(len, o.rows)) for o in outcomes) / max(sum(o.seconds for o in outcomes), 1e-9)
+    h.hf_exit_layer = max(speeds, key=speeds.get)
+    return speeds
+
+
+def report_mismatch(record: Record) -> None:
+    for m in record.mismatches:
+        why = ""
+        if m.get("gap") is not None:
+            why = f"; plain model's logit gap {m['gap']:.3f}, 1-token vs multi-token discrepancy {m['discrepancy']:.3f}"
+        flag = "!! DIFFERS" if m["verdict"] == DIFFERS else "near-tie"
+        _log(f"{flag}: {record.method} parts from {BASELINE} on {record.category} question {m['question_id']} at "
+             f"generated token {m['index']} (got {m['got']}, expected {m['expected']}{why})")
+
+
+def _log(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+@dataclass
+class BenchResult:
+    names: list[str]
+    records: list[Record]
+    summary: dict  # category (and "overall") -> method -> Row as dict
+    setup: dict  # what the harness chose: selfspec config, heads, hf-early-exit E and its tuning, skipped
+    mismatches: list[dict]
+    wall_seconds: float
+
+
+def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids: list[int],
+              registry: dict[str, Method] | None = None) -> BenchResult:
+    """Warm up, tune hf-early-exit's E on the tuning prompts, then run every method on every batch."""
+    from tqdm import tqdm
+
+    registry = METHODS if registry is None else registry
+    start = time.perf_counter()
+    names, skipped = select_methods(cfg, registry)
+    h = Harness(model, cfg, pad_id, eos_ids)
+    for name, why in skipped.items():
+        _log(f"note: skipping {name}: {why}")
+    run_batch(h, registry, names, workload.warmup, cfg.warmup_tokens)
+    tuning = {}
+    if "hf-early-exit" in names:
+        candidates = hf_exit_candidates(cfg, h.num_layers, h.base_config.exit_layer)
+        tuning = tune_hf_exit(h, registry, workload.tune or [workload.warmup], candidates)
+    records = []
+    with tqdm(total=len(workload.batches) * len(names), desc="bench", unit="run", file=sys.stderr) as bar:
+        def done(record: Record) -> None:
+            report_mismatch(record)
+            bar.set_postfix_str(f"{record.category}/{record.method}")
+            bar.update(1)
+
+        for i, batch in enumerate(workload.batches):
+            records += run_batch(h, registry, names, batch, cfg.max_new_tokens, i, done)
+    categories = list(dict.fromkeys(b.category for b in workload.batches))
+    setup = {"selfspec_config": h.base_config.to_dict(), "heads": sorted(h.heads), "heads_source": h.heads_source,
+             "hf_early_exit_layer": h.hf_exit_layer if "hf-early-exit" in names else None,
+             "hf_early_exit_tuning_tokens_per_s": {str(k): v for k, v in tuning.items()},
+             "num_layers": h.num_layers, "skipped_methods": skipped,
+             "engine_settings": {n: engine_settings(h.engine_config(registry[n].drafter, registry[n].trained))
+                                 for n in names if isinstance(registry[n], EngineMethod)},
+             "methods": {n: registry[n].description for n in names}}
+    mismatches = [{"method": r.method, "category": r.category, **m} for r in records for m in r.mismatches]
+    return BenchResult(names, records, summarize(records, names, categories), setup, mismatches,
+                       time.perf_counter() - start)
+
+
+def engine_settings(config: SelfSpecConfig) -> str:
+    """A method's drafting setting in one short phrase, for the report."""
+    parts = [f"K={config.max_draft_tokens}"]
+    if config.drafter in ("early_exit", "hybrid"):
+        parts.insert(0, f"E={config.exit_layer}")
+        if config.draft_confidence_threshold:
+            parts.append(f"threshold {config.draft_confidence_threshold:g}")
+    if config.drafter in ("ngram", "hybrid"):
+        parts.append(f"n-gram {config.ngram_min}..{config.ngram_max}")
+    if config.drafter == "hybrid":
+        parts.append(f"min match {config.hybrid_min_match}{', extend' if config.hybrid_extend else ''}")
+    return ", ".join(parts) if config.drafter != "none" else "no drafts"
+
+
+# --- summaries ------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    prompts: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float | None = None  # tokens/s over the baseline's
+    mean_accepted: float | None = None  # tokens per full-model pass
+    acceptance: float | None = None  # accepted / drafted
+    oracle_fraction: float | None = None  # speedup / the oracle's speedup
+    exact: int | None = None  # prompts identical to the baseline (None in sampling mode)
+    near_tie: int | None = None  # prompts that part from it first at a near-tie of the plain model
+    differs: int | None = None  # prompts that part from it where the plain model was sure: a bug
+    rounds: int | None = None  # oracle: most runs any prompt needed until it drafted its own output
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def aggregate(records: list[Record]) -> Row:
+    tokens, seconds = sum(r.new_tokens for r in records), sum(r.seconds for r in records)
+    known = [r for r in records if r.verify_steps is not None]
+    steps = sum(r.verify_steps for r in known)
+    drafted = sum(r.drafted or 0 for r in known)
+    checked = not any(r.exact is None for r in records)
+    exact = sum(len(r.question_ids) - len(r.mismatches) for r in records) if checked else None
+    verdicts = [m["verdict"] for r in records for m in r.mismatches]
+    rounds = [r.rounds for r in records if r.rounds is not None]
+    return Row(prompts=sum(len(r.question_ids) for r in records), new_tokens=tokens, seconds=seconds,
+               tokens_per_s=_ratio(tokens, seconds) or 0.0,
+               mean_accepted=_ratio(sum(r.new_tokens for r in known), steps) if known else None,
+               acceptance=_ratio(sum(r.accepted or 0 for r in known), drafted) if drafted else None,
+               exact=exact, near_tie=verdicts.count(NEAR_TIE) if checked else None,
+               differs=verdicts.count(DIFFERS) if checked else None, rounds=max(rounds) if rounds else None)
+
+
+def summarize(records: list[Record], names: list[str], categories: list[str]) -> dict:
+    """{category and "overall": {method: Row dict}}; tokens/s pools tokens and seconds over the prompts."""
+    out = {}
+    for category in [*categories, "overall"]:
+        rows = {n: aggregate([r for r in records if r.method == n and category in ("overall", r.category)])
+                for n in names}
+        base = rows[BASELINE].tokens_per_s
+        for row in rows.values():
+            row.speedup = _ratio(row.tokens_per_s, base)
+        oracle = rows[ORACLE].speedup if ORACLE in rows else None
+        for row in rows.values():
+            row.oracle_fraction = _ratio(row.speedup, oracle)
+        out[category] = {n: asdict(r) for n, r in rows.items()}
+    return out
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+def _fmt(value, pattern: str) -> str:
+    return "–" if value is None else pattern.format(value)
+
+
+def markdown_table(rows: dict[str, dict]) -> str:
+    lines = ["| method | tokens/s | speedup | mean accepted | acceptance | of oracle | identical / near-tie / differs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for name, r in rows.items():
+        exact = "n/a" if r["exact"] is None else f"{r['exact']} / {r['near_tie']} / {r['differs']}"
+        if r["differs"]:
+            exact = f"**{exact} DIFFERS**"
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '{:.2f}x')} | "
+                     f"{_fmt(r['mean_accepted'], '{:.2f}')} | {_fmt(r['acceptance'], '{:.1%}')} | "
+                     f"{_fmt(r['oracle_fraction'], '{:.0%}')} | {exact} |")
+    return "\n".join(lines)
+
+
+def render_markdown(result: BenchResult, meta: dict) -> str:
+    setup, settings = result.setup, meta["settings"]
+    ee = setup["hf_early_exit_layer"]
+    tuned = ", ".join(f"E={k}: {v:.2f} tok/s" for k, v in setup["hf_early_exit_tuning_tokens_per_s"].items())
+    lines = [
+        f"# selfspec bench: {meta['model']['name']}",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch threads: "
+        f"{meta['machine']['torch_threads']}, device: {meta['machine']['device']}; load average (1/5/15 min) "
+        f"{meta['machine']['loadavg_start']} at start, {meta['machine']['loadavg_end']} at end",
+        f"- versions: torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}, "
+        f"selfspec {meta['versions']['selfspec']}",
+        f"- {'sampling, temperature ' + str(settings['temperature']) if settings['sample'] else 'greedy'}, "
+        f"max_new_tokens={settings['max_new_tokens']}, batch size {settings['batch_size']}, "
+        f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}",
+        f"- selfspec: exit layer {setup['selfspec_config']['exit_layer']} of {setup['num_layers']}, "
+        f"max_draft_tokens={setup['selfspec_config']['max_draft_tokens']}, heads: {setup['heads_source']}",
+    ]
+    for name, phrase in setup.get("engine_settings", {}).items():
+        lines.append(f"- {name}: {phrase}")
+    if ee is not None:
+        lines.append(f"- hf-early-exit: E={ee}, the fastest of [{tuned}] on train-split prompts")
+    if "hf-prompt-lookup" in result.names:
+        lines.append(f"- hf-prompt-lookup: N={settings['prompt_lookup_tokens']}")
+    for name, why in setup["skipped_methods"].items():
+        lines.append(f"- skipped {name}: {why}")
+    lines.append(f"- wall time {result.wall_seconds / 60:.1f} min (model load excluded)")
+    lines.append(exactness_line(result))
+    for category, rows in [("overall", result.summary["overall"])] + [
+            (c, r) for c, r in result.summary.items() if c != "overall"]:
+        n = next(iter(rows.values()))["prompts"]
+        lines += ["", f"## {category} ({n} prompts)", "", markdown_table(rows)]
+    lines += ["", "speedup = tokens/s over hf-greedy's (tokens and seconds pooled over the prompts); mean accepted "
+              "= tokens per full-model pass (prefill included); acceptance = accepted / drafted tokens; of oracle "
+              "= speedup / the oracle's speedup; identical = prompts whose output equals hf-greedy's token for token, "
+              "near-tie = prompts that first part from it where the plain model's top-two logit gap is within its own "
+              "1-token vs multi-token rounding discrepancy (half precision), differs = any other divergence (a bug)."]
+    return "\n".join(lines) + "\n"
+
+
+def exactness_line(result: BenchResult) -> str:
+    if result.records and result.records[0].exact is None:
+        return "- exactness: not checked in sampling mode (speed and acceptance only)"
+    if not result.mismatches:
+        return "- exactness: every method's output equals hf-greedy's on every prompt"
+    bad = sorted({(m["method"], str(m["question_id"])) for m in result.mismatches if m["verdict"] == DIFFERS})
+    ties = sum(m["verdict"] == NEAR_TIE for m in result.mismatches)
+    line = f"- exactness: {ties} output(s) part from hf-greedy at a near-tie of the plain model (half-precision rounding)"
+    if bad:
+        line += f"; **{len(bad)} DIFFER(S)** where the model was sure: " + ", ".join(f"{m} on {q}" for m, q in bad)
+    return line + (", none differs" if not bad else "")
+
+
+def plot_speedup(summary: dict, names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [c for c in summary if c != "overall"] + ["overall"]
+    shown = [n for n in names if n != BASELINE]
+    width = 0.8 / max(len(shown), 1)
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups) + 2), 4.5))
+    for i, name in enumerate(shown):
+        values = [summary[g][name]["speedup"] or 0.0 for g in groups]
+        ax.bar([x + (i - (len(shown) - 1) / 2) * width for x in range(len(groups))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(f"speedup over {BASELINE} (tokens/s ratio)")
+    ax.set_title("selfspec bench: speedup per category")
+    ax.legend(fontsize=8, ncols=min(4, len(shown)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine_info(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": name, "platform": platform.platform(), "python": platform.python_version()}
+
+
+def versions() -> dict:
+    import transformers
+
+    import selfspec
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "selfspec": selfspec.__version__}
+
+
+def write_outputs(result: BenchResult, meta: dict, directory: str | Path) -> dict[str, Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {"json": directory / "results.json", "md": directory / "results.md", "png": directory / "speedup.png"}
+    payload = {"meta": meta, "setup": result.setup, "wall_seconds": result.wall_seconds,
+               "mismatches": result.mismatches, "summary": result.summary,
+               "records": [asdict(r) for r in result.records]}
+    paths["json"].write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    paths["md"].write_text(render_markdown(result, meta))
+    plot_speedup(result.summary, result.names, paths["png"])
+    return paths
+
+
+# --- command line ---------------------------------------------------------------------------------------------
+def _words(values) -> tuple:
+    """`--x a b` and `--x a,b` alike."""
+    return tuple(w for v in values or () for w in v.split(",") if w)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(
+        prog="selfspec bench", description="Spec-Bench-style benchmark: selfspec against Hugging Face's own "
+        "methods and an oracle drafter, on the same prompts, weights and device.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=d.model, help="short name (smollm2-135m), local HF directory or hub id")
+    p.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (first turn used) (default: the "
+                   "Spec-Bench questions shipped with selfspec)%(default).0s")
+    p.add_argument("--categories", nargs="+", default=None, help=f"categories to run (default: the eval split "
+                   f"{list(EVAL_CATEGORIES)} of Spec-Bench, or every category of --prompts)%(default).0s")
+    p.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)%(default).0s")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="new tokens per prompt")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per generate call; HF's "
+                   "assisted methods are skipped above 1")
+    p.add_argument("--methods", nargs="+", default=None, help=f"subset of {list(METHODS)} (default: "
+                   f"{list(CORE_METHODS)} plus registered n-gram/hybrid drafters)%(default).0s")
+    p.add_argument("--exit-layer", type=int, default=None,
+                   help="selfspec exit layer E (default: the config's)%(default).0s")
+    p.add_argument("--max-draft-tokens", type=int, default=None,
+                   help="selfspec draft length K, also the oracle's (default: the config's)%(default).0s")
+    p.add_argument("--heads", default=None, help="directory with selfspec_config.json and trained heads for the "
+                   "'selfspec' method (default: shipped ones when present)%(default).0s")
+    p.add_argument("--hf-exit-layers", nargs="+", default=None, help="candidate E for hf-early-exit, the fastest "
+                   "on train-split prompts is used (default: L/4, L/2, 3L/4 and selfspec's E)%(default).0s")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="N of hf-prompt-lookup")
+    p.add_argument("--sample", action="store_true",
+                   help="sample instead of greedy (speed and acceptance only)%(default).0s")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature, with --sample")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed for --sample")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model precision; auto = the checkpoint's dtype, for the embedded model bfloat16 where the "
+                        "CPU/GPU computes it in hardware, else float32")
+    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's)%(default).0s")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed the raw question text instead of the chat template%(default).0s")
+    p.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens,
+                   help="tokens each method generates once, untimed, before the timed runs")
+    p.add_argument("--tune-tokens", type=int, default=d.tune_tokens, help="tokens per prompt when choosing E")
+    p.add_argument("--output", default=None,
+                   help=f"output directory (default: {DEFAULT_OUTPUT_ROOT}/<model>-<time>)%(default).0s")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with status 1 when an output differs from hf-greedy's other than at a near-tie "
+                        "(a bug)%(default).0s")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
+                             ("--limit", args.limit, 1), ("--prompt-lookup-tokens", args.prompt_lookup_tokens, 1),
+                             ("--threads", args.threads, 1), ("--warmup-tokens", args.warmup_tokens, 1),
+                             ("--tune-tokens", args.tune_tokens, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature} (greedy is the default without "
+                         f"--sample).")
+    try:
+        hf_exits = tuple(int(w) for w in _words(args.hf_exit_layers))
+    except ValueError:
+        raise ValueError(f"--hf-exit-layers takes integers, got {args.hf_exit_layers}.") from None
+    return BenchConfig(
+        model=args.model, prompts=args.prompts, categories=_words(args.categories) or None, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, methods=_words(args.methods),
+        exit_layer=args.exit_layer, max_draft_tokens=args.max_draft_tokens, heads=args.heads,
+        hf_exit_layers=hf_exits, prompt_lookup_tokens=args.prompt_lookup_tokens, sample=args.sample,
+        temperature=args.temperature, seed=args.seed, warmup_tokens=args.warmup_tokens,
+        tune_tokens=args.tune_tokens, dtype=args.dtype, device=args.device, threads=args.threads,
+        chat_template=not args.no_chat_template, output=args.output, strict=args.strict)
+
+
+def default_output(cfg: BenchConfig) -> Path:
+    return Path(DEFAULT_OUTPUT_ROOT) / f"{Path(str(cfg.model)).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        check_categories(cfg)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        from ..models import dtype_name, resolve_model
+
+        model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{cfg.model}'s tokenizer has no chat template; pass --no-chat-template.")
+        workload = build_workload(tokenizer, cfg)
+        select_methods(cfg, METHODS)
+        load_selfspec_setup(model, cfg)  # bad --heads / --exit-layer fail here, before any prompt runs
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+        print(f"selfspec bench: error: {err}", file=sys.stderr)
+        return 2
+    device = next(model.parameters()).device
+    loadavg_start = _loadavg()
+    result = run_bench(model, workload, cfg, tokenizer.pad_token_id, eos_ids_of(model, tokenizer))
+    meta = {"command": "selfspec bench " + shlex.join(argv), "machine": {**machine_info(device),
+            "loadavg_start": loadavg_start, "loadavg_end": _loadavg()}, "versions": versions(),
+            "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
+                      "parameters": sum(p.numel() for p in model.parameters())},
+            "settings": asdict(cfg)}
+    paths = write_outputs(result, meta, cfg.output or default_output(cfg))
+    print(render_markdown(result, meta))
+    print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
+    if result.mismatches:
+        print(exactness_line(result), file=sys.stderr)
+    differs = any(m["verdict"] == DIFFERS for m in result.mismatches)
+    return 1 if (cfg.strict and differs) else 0
+
+
+def _loadavg():
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
