@@ -151,6 +151,8 @@ def time_both(model, ids, mask, gen: dict, rounds: int, seed: int = 0) -> dict:
     import torch
     from transformers import GenerationMixin
 
+    from .tools.measure import timed
+
     runs = {
         "plain": lambda: GenerationMixin.generate(model, ids, attention_mask=mask, **gen),
         "selfspec": lambda: model.generate(ids, attention_mask=mask, **gen),
@@ -159,11 +161,8 @@ def time_both(model, ids, mask, gen: dict, rounds: int, seed: int = 0) -> dict:
     for r in range(rounds):
         for name in (("plain", "selfspec") if r % 2 == 0 else ("selfspec", "plain")):
             torch.manual_seed(seed + r)
-            _sync(model)
-            start = time.perf_counter()
-            out = runs[name]()
-            _sync(model)
-            totals[name]["seconds"] += time.perf_counter() - start
+            out, seconds = timed(runs[name], model.device)
+            totals[name]["seconds"] += seconds
             totals[name]["tokens"] += out.shape[1] - ids.shape[1]
             totals[name]["outputs"].append(out)
     return totals
@@ -180,13 +179,6 @@ def compare_line(model, ids, mask, gen: dict, rounds: int, seed: int = 0) -> str
                    for a, b in zip(t["plain"]["outputs"], t["selfspec"]["outputs"]))
         line += "; greedy outputs " + ("identical" if same else "DIFFER (near-ties in this dtype; see README)")
     return line
-
-
-def _sync(model) -> None:
-    import torch
-
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import transformers as tf
 import selfspec
 from conftest import make_model, padded_batch, prompt
 from selfspec.drafters.oracle import OracleDrafter
-from selfspec.tools import bench
+from selfspec.tools import bench, measure
 
 EOS = 2
 SMALL = dict(model="tiny-llama", exit_layer=2, max_draft_tokens=4, max_new_tokens=12, warmup_tokens=4, tune_tokens=4)
@@ -32,8 +32,8 @@ def _run(model, registry=None, workload=None, **cfg):
 
 
 def _meta(cfg: bench.BenchConfig) -> dict:
-    machine = {**bench.machine_info(torch.device("cpu")), "loadavg_start": None, "loadavg_end": None}
-    return {"command": "test", "machine": machine, "versions": bench.versions(),
+    machine = {**measure.machine_info(torch.device("cpu")), "loadavg_start": None, "loadavg_end": None}
+    return {"command": "test", "machine": machine, "versions": measure.versions(),
             "model": {"name": "tiny-llama", "dtype": "float64"}, "settings": bench.asdict(cfg)}
 
 

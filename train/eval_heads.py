@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -184,18 +183,12 @@ class Tally:
         return self.tokens / max(1, self.steps)
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     import selfspec
-    from selfspec.bench import eos_ids_of, machine_info, versions
+    from selfspec.tools.measure import eos_ids_of, machine_info, timed, versions
     from selfspec.models import resolve_model
     from selfspec.prompts import chat_input_ids, load_prompts
     from tqdm import tqdm
@@ -216,7 +209,7 @@ def main(argv=None) -> int:
         ids = chat_input_ids(tok, prompt.text)
         p = ids.shape[1]
         with torch.no_grad():
-            out, seconds = timed(lambda: model.generate(ids, **gen))
+            out, seconds = timed(lambda: model.generate(ids, **gen), model.device)
         answer = out[0, p:]
         base = runs[("hf-greedy", 0)]
         base.tokens, base.seconds = base.tokens + answer.numel(), base.seconds + seconds
@@ -238,7 +231,7 @@ def main(argv=None) -> int:
                            draft_confidence_threshold=0.0)
             selfspec.wrap(model, path, **setting) if path else selfspec.wrap(model, **setting)
             try:
-                got, seconds = timed(lambda: model.generate(ids, **gen))
+                got, seconds = timed(lambda: model.generate(ids, **gen), model.device)
                 stats = model.selfspec.last_stats
             finally:
                 selfspec.unwrap(model)

@@ -274,6 +274,7 @@ def main(argv=None) -> int:
     import selfspec
     from selfspec.heads import AttentionHead, ExitHead, MLPHead, frequent_token_ids
     from selfspec.models import resolve_model
+    from selfspec.tools.measure import eos_ids_of
     from tqdm import tqdm
 
     # the frozen base model, reached through its adapter (final norm + LM head shared with the heads)
@@ -290,8 +291,7 @@ def main(argv=None) -> int:
     # draft vocabulary: the most frequent response tokens of the training data, plus the stop tokens
     vocab_ids = None
     if cfg.draft_vocab_size:
-        eos = model.generation_config.eos_token_id
-        stops = [t for t in {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} if t is not None]
+        stops = eos_ids_of(model, tok)
         vocab_ids = frequent_token_ids(train_rows["target_ids"], cfg.draft_vocab_size, stops).to(cfg.device)
         covered = torch.isin(held_rows["teacher_top1"].long(), vocab_ids.cpu()).float().mean()
         print(f"draft vocabulary {len(vocab_ids)} tokens covers {covered:.1%} of held-out teacher top-1")

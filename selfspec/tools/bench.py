@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import shlex
 import sys
 import time
@@ -32,6 +30,7 @@ import torch
 
 from ..config import SelfSpecConfig
 from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, load_prompts
+from .measure import eos_ids_of, loadavg, machine_info, timed, versions
 from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge
 
 BASELINE = "hf-greedy"
@@ -311,19 +310,6 @@ def trim_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
     return tokens
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def eos_ids_of(model, tokenizer=None) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
 class Harness:
     """The loaded model and everything every method shares: generate settings, selfspec config, heads."""
 
@@ -367,11 +353,8 @@ class Harness:
         ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
         if self.cfg.sample:
             torch.manual_seed(self.cfg.seed)
-        sync(self.device)
-        t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=mask, **self.generate_kwargs(max_new), **extra)
-        sync(self.device)
-        seconds = time.perf_counter() - t0
+        kwargs = {**self.generate_kwargs(max_new), **extra}
+        out, seconds = timed(lambda: self.model.generate(ids, attention_mask=mask, **kwargs), self.device)
         new = out[:, ids.shape[1]:].tolist()
         return [trim_at_eos(row, self.eos_ids) for row in new], seconds
 
@@ -722,27 +705,6 @@ def plot_speedup(summary: dict, names: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def machine_info(device: torch.device) -> dict:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "device": name, "platform": platform.platform(), "python": platform.python_version()}
-
-
-def versions() -> dict:
-    import transformers
-
-    import selfspec
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "selfspec": selfspec.__version__}
-
-
 def write_outputs(result: BenchResult, meta: dict, directory: str | Path) -> dict[str, Path]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -859,10 +821,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"selfspec bench: error: {err}", file=sys.stderr)
         return 2
     device = next(model.parameters()).device
-    loadavg_start = _loadavg()
+    loadavg_start = loadavg()
     result = run_bench(model, workload, cfg, tokenizer.pad_token_id, eos_ids_of(model, tokenizer))
     meta = {"command": "selfspec bench " + shlex.join(argv), "machine": {**machine_info(device),
-            "loadavg_start": loadavg_start, "loadavg_end": _loadavg()}, "versions": versions(),
+            "loadavg_start": loadavg_start, "loadavg_end": loadavg()}, "versions": versions(),
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
                       "parameters": sum(p.numel() for p in model.parameters())},
             "settings": asdict(cfg)}
@@ -873,10 +835,6 @@ def main(argv: list[str] | None = None) -> int:
         print(exactness_line(result), file=sys.stderr)
     differs = any(m["verdict"] == DIFFERS for m in result.mismatches)
     return 1 if (cfg.strict and differs) else 0
-
-
-def _loadavg():
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 if __name__ == "__main__":

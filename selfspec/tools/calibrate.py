@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,10 +28,12 @@ from pathlib import Path
 
 import torch
 
-from . import cost_model
 from ..config import SelfSpecConfig
 from ..prompts import EVAL_CATEGORIES, chat_input_ids, load_prompts
 from ..wrap import wrap
+from . import cost_model
+from .measure import environment as measure_environment
+from .measure import eos_ids_of, model_identity, spearman, timed
 
 SEARCHABLE_DRAFTERS = ("early_exit", "ngram", "hybrid", "none")
 EXIT_DRAFTERS = ("early_exit", "hybrid")  # drafters that run layers [0, E) + the exit head
@@ -274,13 +275,6 @@ class Measurement:
     stats: dict = field(default_factory=dict)  # summed GenerationStats fields (speculative runs only)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def _generate(model, ids: torch.Tensor, new_tokens: int, plain: bool) -> torch.Tensor:
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=_pad_id(model))
@@ -290,11 +284,9 @@ def _generate(model, ids: torch.Tensor, new_tokens: int, plain: bool) -> torch.T
 
 
 def _pad_id(model) -> int:
-    gen = model.generation_config
-    if gen.pad_token_id is not None:
-        return int(gen.pad_token_id)
-    eos = gen.eos_token_id
-    return int(eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0))
+    """The generation config's pad id, else its first EOS id (as Hugging Face's generate pads), else 0."""
+    pad = model.generation_config.pad_token_id
+    return int(pad) if pad is not None else next(iter(eos_ids_of(model)), 0)
 
 
 _STAT_KEYS = ("new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens", "draft_seconds", "verify_seconds",
@@ -307,11 +299,8 @@ def time_generation(model, prompts: list[torch.Tensor], new_tokens: int, plain: 
     device = prompts[0].device
     outputs, seconds, totals = [], 0.0, dict.fromkeys(_STAT_KEYS, 0)
     for ids in prompts:
-        _sync(device)
-        t0 = time.perf_counter()
-        out = _generate(model, ids, new_tokens, plain)
-        _sync(device)
-        seconds += time.perf_counter() - t0
+        out, took = timed(lambda: _generate(model, ids, new_tokens, plain), device)
+        seconds += took
         outputs.append(out.cpu())
         if not plain:
             stats = model.selfspec.last_stats
@@ -465,7 +454,7 @@ def build_predictor(model, base: SelfSpecConfig, prompts, answers, space: Search
     loop = _loop_overheads(model, base, prompts[0], space, min(16, measure.max_new_tokens))
     timings = cost_model.fit_overheads(timings, loop["none_step"], loop.get("draft_token"),
                                        exits[0] if exits else None)
-    eos_ids = _eos_ids(model)
+    eos_ids = eos_ids_of(model)
     eos = [[int(t) in set(eos_ids) for t in s.answer.tolist()] for s in sequences]
     ngram = {"ngram_min": base.ngram_min, "eos_ids": eos_ids, "k_max": space.max_draft_tokens[-1],
              "lookup_seconds": loop.get("lookup_step")}
@@ -476,43 +465,19 @@ def build_predictor(model, base: SelfSpecConfig, prompts, answers, space: Search
     return predictor
 
 
-def _eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
 # --- the study -----------------------------------------------------------------------------------------------
-def model_identity(model, name: str | None) -> dict:
-    engine = model.selfspec
-    param = next(model.parameters())
-    return {"model_name": name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
-            "model_type": model.config.model_type, "num_layers": engine.adapter.num_layers,
-            "hidden_size": engine.adapter.hidden_size, "device": param.device.type, "dtype": str(param.dtype),
-            "heads": sorted(engine.heads)}
+def study_identity(model, name: str | None) -> dict:
+    """What a study's trials were measured on: the model (measure.model_identity) and the heads it drafts with."""
+    return {**model_identity(model, name), "heads": sorted(model.selfspec.heads)}
 
 
-def environment() -> dict:
-    import optuna
-    import transformers
-
-    from .. import __version__
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "selfspec": __version__,
-            "optuna": optuna.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
+def environment(model) -> dict:
+    return measure_environment(next(model.parameters()).device, ("optuna",))
 
 
 def open_study(storage: str, study_name: str, identity: dict, seed: int, startup: int):
-    """Create the study or resume it; a stored study made for another model or device is refused."""
+    """Create the study or resume it; a stored study made for another model or device is refused. A study stored
+    before the identity recorded a key (the LM-head fingerprint came later) is compared on the keys it has."""
     import optuna
 
     with warnings.catch_warnings():
@@ -521,8 +486,8 @@ def open_study(storage: str, study_name: str, identity: dict, seed: int, startup
     study = optuna.create_study(study_name=study_name, storage=storage, direction="maximize", sampler=sampler,
                                 load_if_exists=True)
     stored = study.user_attrs.get("identity")
-    if stored is not None and stored != identity:
-        diff = {k: (stored.get(k), identity.get(k)) for k in identity if stored.get(k) != identity.get(k)}
+    diff = {k: (stored[k], identity[k]) for k in identity if k in (stored or {}) and stored[k] != identity[k]}
+    if diff:
         raise ValueError(f"Study {study_name!r} in {storage} was made for another setup (stored vs now: {diff}); "
                          "pass another --study-name or --storage.")
     if stored is None:
@@ -754,25 +719,6 @@ def confirm(session: Session, candidates: list, rounds: int, log) -> tuple[list[
     return rows, plain_tps
 
 
-def _ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    for rank, i in enumerate(order):
-        ranks[i] = float(rank)
-    return ranks
-
-
-def spearman(xs: list[float], ys: list[float]) -> float | None:
-    """Rank correlation of predicted and measured tokens/s (how well the cost model orders settings)."""
-    if len(xs) < 3:
-        return None
-    rx, ry = _ranks(xs), _ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / var if var else None
-
-
 def trial_rows(study) -> list[dict]:
     rows = []
     for t in study.get_trials(deepcopy=False):
@@ -851,7 +797,7 @@ def report_markdown(report: dict) -> str:
         f"{report['all_outputs_match_plain']}.",
         f"Measured on {report['measure']['max_new_tokens']} new tokens x prompts per trial; torch "
         f"{env.get('torch', '?')}, transformers {env.get('transformers', '?')}, {env.get('torch_threads', '?')} "
-        f"threads, {env.get('gpu') or env.get('cpu') or env.get('machine', '?')} ({env.get('cpu_count', '?')} cores).",
+        f"threads, {_where(env)}.",
         "", "## Top 5 measured trials", "",
         "| trial | setting | measured tok/s | predicted tok/s | acceptance | tokens/step | draft s | verify s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -867,6 +813,12 @@ def report_markdown(report: dict) -> str:
     lines.append(f"| plain `generate` | {report['plain_tokens_per_s']:.2f} | x1.00 |")
     lines += _cost_model_markdown(report)
     return "\n".join(lines) + "\n"
+
+
+def _where(env: dict) -> str:
+    """The device a study ran on, from its environment (measure.environment; older studies: gpu / cpu_count)."""
+    gpu = env.get("gpu") or (env.get("device") if env.get("device") not in (None, "cpu") else None)
+    return gpu or f"{env.get('cpu') or env.get('machine', '?')} ({env.get('cores', env.get('cpu_count', '?'))} cores)"
 
 
 def _cost_model_markdown(report: dict) -> list[str]:
@@ -941,7 +893,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
         os.makedirs(output, exist_ok=True)
         storage = default_storage(output)
     trials = 20 if trials is None and timeout is None else trials
-    identity = model_identity(model, model_name)
+    identity = study_identity(model, model_name)
     study_name = study_name or _default_study_name(identity)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -982,7 +934,7 @@ def _prepare_session(model, base, prompts, space, spec, log) -> Session:
 
 
 def _set_study_attrs(study, session: Session, spec: SearchSpec, space: SearchSpace) -> None:
-    study.set_user_attr("environment", environment())
+    study.set_user_attr("environment", environment(session.model))
     study.set_user_attr("search_spec", spec.to_dict())
     study.set_user_attr("space", space.to_dict())
     study.set_user_attr("plain_tokens_per_s_at_start", session.plain.tokens_per_s)
@@ -1000,7 +952,7 @@ def _finish(model, study, session, base, storage, output, identity, log) -> Cali
         "calibration": {"tokens_per_s": winner["confirmed_tokens_per_s"], "plain_tokens_per_s": plain_tps,
                         "speedup": winner["speedup"], "study": study.study_name, "trial": winner["trial"],
                         "device": identity["device"], "dtype": identity["dtype"],
-                        "date": time.strftime("%Y-%m-%d"), "environment": environment(),
+                        "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
                         "per_drafter": best_per_drafter(study)}})
     study.set_user_attr("final", {"best": winner, "plain_tokens_per_s": plain_tps})
     report = build_report(study, session, confirmed, plain_tps, best)

@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from ..cache import SlotTable, SpecCache
 from ..drafters.early_exit import EarlyExitDrafter
 from ..forward import StepContext, forward_early
 from ..heads import teacher_forced_logits
+from .measure import fastest
 
 
 # --- acceptance -----------------------------------------------------------------------------------------------
@@ -113,27 +113,6 @@ class Timings:
         return dict(self.__dict__, head={str(k): v for k, v in self.head.items()})
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def time_call(fn, device, repeats: int = 5) -> float:
-    """Fastest seconds of `fn()` over repeats after one warm-up call, synchronising the device around each call.
-    The minimum, not the median: on a shared machine other processes only ever add time."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-    return min(samples)
-
-
 def _prefilled_context(adapter, prompt: torch.Tensor) -> StepContext:
     """A fresh shared cache holding `prompt` (1, P) in every layer, as after the engine's prefill."""
     ctx = StepContext(adapter, SpecCache(adapter.num_layers), SlotTable(1, prompt.device))
@@ -152,7 +131,7 @@ def _time_tokens_through(ctx: StepContext, prompt: torch.Tensor, tokens: int, la
         forward_early(ctx, ids, positions, layers)
         ctx.cache.rollback(p)
 
-    return time_call(step, prompt.device, repeats)
+    return fastest(step, prompt.device, repeats)
 
 
 @torch.no_grad()
@@ -168,8 +147,8 @@ def measure_timings(engine, prompts: list[torch.Tensor], exit_layers: list[int],
         ctx, prompts[0], 1, 2, repeats))  # t(1 layer) = e + l, t(2 layers) = e + 2l  =>  e = 2 t1 - t2
     layer = [0.0] + [max(all_layers[t] - embed, 0.0) / num_layers for t in range(1, max_tokens + 1)]
     hidden = torch.zeros(1, max_tokens, adapter.hidden_size, dtype=_dtype_of(adapter), device=device)
-    lm_head = [0.0] + [time_call(lambda t=t: adapter.logits(adapter.final_norm(hidden[:, :t])).float().argmax(-1),
-                                 device, repeats) for t in range(1, max_tokens + 1)]
+    lm_head = [0.0] + [fastest(lambda t=t: adapter.logits(adapter.final_norm(hidden[:, :t])).float().argmax(-1),
+                               device, repeats) for t in range(1, max_tokens + 1)]
     head = {e: _time_exit_head(engine, e, hidden[:, :1], repeats) for e in exit_layers}
     prefill = [_time_prefill(adapter, prompt, repeats=max(1, repeats // 2)) for prompt in prompts]
     return Timings(num_layers, layer, embed, lm_head, head, prefill)
@@ -188,13 +167,13 @@ def _time_exit_head(engine, exit_layer: int, hidden: torch.Tensor, repeats: int)
         probs = drafter.head_logits(state, hidden).softmax(-1)
         return probs.max(-1).values, probs.argmax(-1)
 
-    return time_call(run, hidden.device, repeats)
+    return fastest(run, hidden.device, repeats)
 
 
 def _time_prefill(adapter, prompt: torch.Tensor, repeats: int) -> float:
     def run():
         _prefilled_context(adapter, prompt)
-    return time_call(run, prompt.device, repeats)
+    return fastest(run, prompt.device, repeats)
 
 
 def fit_overheads(timings: Timings, none_step_seconds: float, draft_token_seconds: float | None = None,
