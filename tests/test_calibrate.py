@@ -65,7 +65,7 @@ def test_replay_counts_what_the_engine_does(exit_layer, k, quantile):
     threshold = 0.0 if quantile is None else confs[int(quantile * len(confs))]
     model.selfspec.config = model.selfspec.config.replace(draft_confidence_threshold=threshold)
     eos = [[t == 2 for t in a.tolist()] for a in answers]
-    counts = cost_model.simulate(acc, eos, k, threshold)
+    counts = cost_model.simulate(acc, eos, k, threshold, max_new_tokens=20)
     engine = dict(steps=0, drafted=0, accepted=0, new=0)
     for p in prompts:
         model.generate(p, max_new_tokens=20, **GEN)
@@ -76,6 +76,66 @@ def test_replay_counts_what_the_engine_does(exit_layer, k, quantile):
                           new=counts.new_tokens)
     # the comparison can fail: drafts are accepted and rejected (or cut short by the threshold)
     assert 0 < counts.accepted and (counts.accepted < counts.drafted or counts.drafted < counts.draft_passes)
+
+
+def _answer_ending_in_a_fresh_token(model, index: int, max_new: int):
+    """(prompt, its greedy answer without EOS) where answer token `index` occurs nowhere before it, so that making it
+    the EOS id ends the answer exactly there."""
+    for seed in range(50):
+        ids = prompt(seed=seed)
+        free = model.generate(ids, max_new_tokens=max_new, **GEN)[0, ids.shape[1]:].tolist()
+        if len(free) == max_new and free[index] not in free[:index]:
+            return ids, free
+    raise AssertionError("no prompt found")
+
+
+@pytest.mark.parametrize("eos_at", [None, 5, 11])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_replay_has_the_loops_draft_budget(k, eos_at):
+    """With every draft right (the oracle), only the loop's draft-length rule decides the steps and drafts: the
+    replay (replay.replay_greedy, through cost_model.simulate) must count the engine's exactly, with the answer cut by
+    max_new_tokens, ended by an EOS before it, and ended by an EOS on the last allowed token, where the budget (one
+    fewer than the tokens left) stops the drafter before the EOS. Negative control: without max_new_tokens the
+    replay takes that last answer for one that ended early and counts a draft too many."""
+    from selfspec.drafters.oracle import OracleDrafter
+    from selfspec.tools.replay import replay_greedy
+
+    max_new = 12
+    model = make_model("llama", 4)
+    model.generation_config.eos_token_id = None
+    ids, free = _answer_ending_in_a_fresh_token(model, 11 if eos_at is None else eos_at, max_new)
+    if eos_at is not None:
+        model.generation_config.eos_token_id = free[eos_at]
+    ref = model.generate(ids, max_new_tokens=max_new, **GEN)[0, ids.shape[1]:].tolist()
+    assert len(ref) == (max_new if eos_at is None else eos_at + 1)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=k)
+    model.selfspec.drafter_override = OracleDrafter.from_rows([ref])
+    assert model.generate(ids, max_new_tokens=max_new, **GEN)[0, ids.shape[1]:].tolist() == ref
+    stats = model.selfspec.last_stats
+    assert stats.accepted_tokens == stats.drafted_tokens  # the oracle is always right
+
+    drafted = []
+    steps = replay_greedy(len(ref), max_new, k, lambda done, budget: drafted.append(budget) or budget)
+    assert (steps, sum(drafted)) == (stats.verify_steps, stats.drafted_tokens)
+    eos = [[t == model.generation_config.eos_token_id for t in ref]]
+    sure = cost_model.LayerAcceptance(2, agree=[[True] * len(ref)], conf=[[1.0] * len(ref)])
+    counts = cost_model.simulate(sure, eos, k, 0.0, max_new_tokens=max_new)
+    assert (counts.steps + 1, counts.drafted, counts.accepted) == (stats.verify_steps, stats.drafted_tokens,
+                                                                    stats.accepted_tokens)
+    unknown = cost_model.simulate(sure, eos, k, 0.0)  # max_new_tokens not given
+    assert unknown.drafted == stats.drafted_tokens + (eos_at == max_new - 1)
+
+
+def test_accepted_drafts_is_the_loops_acceptance_rule():
+    """The replay's host-side rule equals sampling.accepted_prefix, the one greedy and sampled verification use."""
+    from selfspec.sampling import accepted_prefix
+    from selfspec.tools.replay import accepted_drafts
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.rand(200, 6, generator=g) < 0.7
+    lengths = torch.randint(0, 7, (200,), generator=g)
+    want = accepted_prefix(rows, lengths).tolist()
+    assert [accepted_drafts(r[: n].tolist()) for r, n in zip(rows, lengths.tolist())] == want
 
 
 def test_acceptance_profile_sees_the_planted_layer():

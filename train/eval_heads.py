@@ -104,24 +104,22 @@ def first_drafts(head, adapter, states, p: int, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new: int) -> int:
-    """Verify steps of greedy decoding with K = k drafts per step on this answer.
+    """Verify steps of greedy decoding with K = k drafts per step on this answer (generated with max_new new
+    tokens), counted by the loop's own rules (selfspec.tools.replay): a step after answer token done - 1 drafts
+    the head's tokens for done, done + 1, ... and the verifier accepts them while they equal the answer."""
+    from selfspec.tools.replay import accepted_drafts, replay_greedy
 
-    Answer token 0 comes from the prefill (one step); a step that starts after token a drafts a+1.. and accepts
-    them while they equal the answer. Like the loop, it drafts no more than leaves room for the verifier's token
-    within max_new."""
     n = answer.numel()
     rounds = TopRounds(head, adapter, states) if head.stateful and head.context == "top" else None
     hits = None if rounds else (first_drafts(head, adapter, states, p, n) == answer).tolist()
-    steps, a = 1, 0
-    while a + 1 < n:
-        room = max(0, min(k, max_new - a - 2, n - 1 - a))
-        if rounds is not None:
-            ok = (rounds.drafts(p + a, room) == answer[a + 1 : a + 1 + room]).tolist() if room else []
-        else:
-            ok = hits[a + 1 : a + 1 + room]
-        m = next((i for i, good in enumerate(ok) if not good), len(ok))
-        steps, a = steps + 1, a + m + 1
-    return steps
+
+    def step(done: int, room: int) -> int:
+        if rounds is None:
+            return accepted_drafts(hits[done : done + room])
+        return accepted_drafts((rounds.drafts(p + done - 1, room) == answer[done : done + room]).tolist()
+                               if room else [])
+
+    return replay_greedy(n, max_new, k, step)
 
 
 class TopRounds:

@@ -338,6 +338,7 @@ class Predictor:
     eos: list[list[bool]]  # [sequence][answer token] is an EOS id
     acceptance: dict[int, cost_model.LayerAcceptance]
     ngram: dict = field(default_factory=dict)  # ngram_min, eos_ids, k_max, lookup_seconds (None: not modelled)
+    max_new_tokens: int | None = None  # what the answers were generated with (the loop's draft budget reads it)
     grid: dict[tuple, tuple[dict, cost_model.Prediction]] = field(default_factory=dict)
     _proposals: dict[int, list] = field(default_factory=dict)
 
@@ -354,10 +355,11 @@ class Predictor:
         drafter = params.get("drafter")
         if drafter == "early_exit" and params["exit_layer"] in self.acceptance:
             return cost_model.predict(self.acceptance[params["exit_layer"]], self.eos, self.timings,
-                                      params["max_draft_tokens"], params["draft_confidence_threshold"])
+                                      params["max_draft_tokens"], params["draft_confidence_threshold"],
+                                      self.max_new_tokens)
         if drafter == "ngram" and self.ngram.get("lookup_seconds") is not None:
             counts = cost_model.simulate_ngram(self.sequences, self._ngram_proposals(params["ngram_max"]), self.eos,
-                                               params["max_draft_tokens"])
+                                               params["max_draft_tokens"], self.max_new_tokens)
             return cost_model.predict_ngram(counts, self.timings, self.ngram["lookup_seconds"])
         return None
 
@@ -458,7 +460,7 @@ def build_predictor(model, base: SelfSpecConfig, prompts, answers, space: Search
     eos = [[int(t) in set(eos_ids) for t in s.answer.tolist()] for s in sequences]
     ngram = {"ngram_min": base.ngram_min, "eos_ids": eos_ids, "k_max": space.max_draft_tokens[-1],
              "lookup_seconds": loop.get("lookup_step")}
-    predictor = Predictor(timings, sequences, eos, acceptance, ngram)
+    predictor = Predictor(timings, sequences, eos, acceptance, ngram, measure.max_new_tokens)
     predictor.fill(space)
     log(f"cost model: {len(exits)} exit layers profiled, {len(predictor.grid)} settings predicted "
         f"in {time.perf_counter() - t0:.1f}s")

@@ -5,8 +5,8 @@
    every answer position. The exit head at E turns it into draft tokens; `agree[i]` says whether the draft for
    answer token i equals the token the full model emitted, `conf[i]` is the head's top probability there.
    Because accepted drafts are exactly the full model's tokens, a greedy draft block starting at token c sees the
-   very states of this teacher-forced pass, so replaying the decode loop over `agree`/`conf` (`simulate`) counts
-   steps, drafted and accepted tokens as the engine would.
+   very states of this teacher-forced pass, so replaying the decode loop over `agree`/`conf` (`simulate`, with the
+   loop's own rules from replay.py) counts steps, drafted and accepted tokens as the engine would.
 2. Timings (`measure_timings`): the engine's own split forward, timed on this device: one pass of T tokens
    through all layers (per-layer cost, T = 1..K+1), the exit head on one token, the LM head on T tokens, the
    prefill of each prompt, and the loop's fixed cost per verify step and per drafted token.
@@ -25,6 +25,7 @@ from ..drafters.early_exit import EarlyExitDrafter
 from ..forward import StepContext, forward_early
 from ..heads import teacher_forced_logits
 from .measure import fastest
+from .replay import accepted_drafts, replay_greedy
 
 
 # --- acceptance -----------------------------------------------------------------------------------------------
@@ -222,33 +223,37 @@ def _draft_block(agree, conf, start: int, k: int, threshold: float, eos: list[bo
         drafted += 1
         if eos[start + j]:
             break
-    accepted = 0
-    while accepted < drafted and agree[start + accepted]:
-        accepted += 1
-    return passes, drafted, accepted
+    return passes, drafted, accepted_drafts(agree[start : start + drafted])
 
 
-def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold: float) -> Counts:
-    """Replay the engine's greedy loop over the teacher-forced agreement of one exit layer."""
+def _max_new(answer_len: int, is_eos: list[bool], max_new_tokens: int | None) -> int:
+    """The generation's max_new_tokens; when not given, an answer that ended without EOS is taken as cut by it."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    return answer_len + (1 if is_eos and is_eos[-1] else 0)
+
+
+def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold: float,
+             max_new_tokens: int | None = None) -> Counts:
+    """Replay the engine's greedy loop (replay.replay_greedy: its draft budget and acceptance rule) over the
+    teacher-forced agreement of one exit layer, for answers generated with `max_new_tokens`."""
     c = Counts()
     for agree, conf, is_eos in zip(acc.agree, acc.conf, eos):
-        n = len(agree)
-        c.new_tokens += n
-        c.prefills += 1
-        done = 1  # the prefill emits answer token 0; the pending token is done - 1
-        while done < n:
-            # with r tokens left before max_length the engine drafts at most r - 1; an answer that ended at EOS
-            # was not cut by max_length, so its last block may draft up to the EOS itself
-            k = min(k_max, n - done - (0 if is_eos[-1] else 1))
+
+        def step(done: int, k: int) -> int:
             passes, drafted, accepted = _draft_block(agree, conf, done, k, threshold, is_eos)
             hidden_kept = min(passes, drafted + 1)
             c.fresh_early += (drafted + 1) - hidden_kept
             c.verify_width[drafted + 1] = c.verify_width.get(drafted + 1, 0) + 1
-            c.steps += 1
             c.drafted += drafted
             c.accepted += accepted
             c.draft_passes += passes
-            done += accepted + 1
+            return accepted
+
+        n = len(agree)
+        c.new_tokens += n
+        c.prefills += 1
+        c.steps += replay_greedy(n, _max_new(n, is_eos, max_new_tokens), k_max, step) - 1
     return c
 
 
@@ -270,8 +275,9 @@ def predict_seconds(counts: Counts, timings: Timings, exit_layer: int) -> float:
     return sum(t.prefill) + draft + fresh + verify + counts.steps * t.step_overhead
 
 
-def predict(acc: LayerAcceptance, eos: list[list[bool]], timings: Timings, k_max: int, threshold: float) -> Prediction:
-    counts = simulate(acc, eos, k_max, threshold)
+def predict(acc: LayerAcceptance, eos: list[list[bool]], timings: Timings, k_max: int, threshold: float,
+            max_new_tokens: int | None = None) -> Prediction:
+    counts = simulate(acc, eos, k_max, threshold, max_new_tokens)
     seconds = predict_seconds(counts, timings, acc.exit_layer)
     return Prediction(counts.new_tokens / seconds if seconds > 0 else 0.0, seconds,
                       counts.mean_accepted_tokens, counts.acceptance_rate)
@@ -305,25 +311,24 @@ def ngram_proposals(seq: Sequence, k_max: int, n_max: int, n_min: int, eos_ids: 
 
 
 def simulate_ngram(sequences: list[Sequence], proposals: list[list[torch.Tensor]], eos: list[list[bool]],
-                   k_max: int) -> Counts:
+                   k_max: int, max_new_tokens: int | None = None) -> Counts:
     """Replay the greedy loop with prompt-lookup drafts: no draft passes, every verify input runs all layers."""
     c = Counts()
     for seq, props, is_eos in zip(sequences, proposals, eos):
         answer, n = seq.answer.cpu(), seq.answer.numel()
-        c.new_tokens += n
-        c.prefills += 1
-        done = 1
-        while done < n:
-            k = min(k_max, n - done - (0 if is_eos[-1] else 1))
-            draft = props[done - 1][: max(k, 0)]
-            same = (draft == answer[done : done + draft.numel()]).tolist()
-            accepted = next((i for i, s in enumerate(same) if not s), len(same))
+
+        def step(done: int, k: int) -> int:
+            draft = props[done - 1][:k]
+            accepted = accepted_drafts((draft == answer[done : done + draft.numel()]).tolist())
             c.verify_width[draft.numel() + 1] = c.verify_width.get(draft.numel() + 1, 0) + 1
             c.fresh_early += draft.numel() + 1
-            c.steps += 1
             c.drafted += draft.numel()
             c.accepted += accepted
-            done += accepted + 1
+            return accepted
+
+        c.new_tokens += n
+        c.prefills += 1
+        c.steps += replay_greedy(n, _max_new(n, is_eos, max_new_tokens), k_max, step) - 1
     return c
 
 
