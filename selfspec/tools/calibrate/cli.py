@@ -1,0 +1,76 @@
+"""`selfspec calibrate` (and `python -m selfspec.calibrate`): the command line around `study.calibrate`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ...wrap import wrap
+from .space import SearchSpec, default_space_path, describe, load_search_spec
+from .study import calibrate
+from .trials import encode_prompts, load_calibration_texts
+
+
+def parse_args(argv) -> argparse.Namespace:
+    description = sys.modules[__package__].__doc__.split("\n\n")[0]  # the package's first paragraph
+    p = argparse.ArgumentParser(prog="selfspec calibrate", description=description)
+    p.add_argument("--model", default="smollm2-135m", help="known name, local HF directory or hub id")
+    p.add_argument("--heads", help="directory with trained exit heads (and a selfspec config) to calibrate")
+    p.add_argument("--prompts", help="Spec-Bench JSONL (first turn, chat template) or text file, one prompt a line;"
+                                     " default: Spec-Bench's MT-bench categories (the train split)")
+    p.add_argument("--trials", type=int, help="measured trials in this run (default 20 without --timeout)")
+    p.add_argument("--timeout", type=float, help="search budget in seconds (setup and final re-timing extra)")
+    p.add_argument("--storage", help="Optuna storage URL (default sqlite:///OUTPUT/study.db)")
+    p.add_argument("--study-name", help="default: model-heads-device-dtype")
+    p.add_argument("--output", help="where config, report and study go (default: --heads, else calibration/MODEL)")
+    p.add_argument("--space", help="search space YAML (default configs/search/MODEL.yaml or default.yaml)")
+    p.add_argument("--max-prompts", type=int, help="override measure.max_prompts")
+    p.add_argument("--max-new-tokens", type=int, help="override measure.max_new_tokens")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model precision; auto = the checkpoint's dtype, or for the embedded model bfloat16 where "
+                        "the device computes it in hardware, else float32 (default: auto)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
+    return p.parse_args(argv)
+
+
+def _load_spec(args) -> SearchSpec:
+    path = args.space or default_space_path(args.model)
+    spec = load_search_spec(path) if path else SearchSpec()
+    if args.max_prompts is not None:
+        spec.measure.max_prompts = args.max_prompts
+    if args.max_new_tokens is not None:
+        spec.measure.max_new_tokens = args.max_new_tokens
+    if spec.measure.max_prompts < 1 or spec.measure.max_new_tokens < 2:
+        raise ValueError("measure.max_prompts must be >= 1 and measure.max_new_tokens >= 2.")
+    return spec
+
+
+def _load_model(args):
+    from ...models import resolve_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # the plain baseline is this same model object unwrapped, so it always runs in the wrapped model's dtype
+    model, tokenizer = resolve_model(args.model, dtype=args.dtype, device=device)
+    if args.heads:
+        wrap(model, args.heads)  # config and heads saved by save_pretrained
+    return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = _load_spec(args)
+    model, tokenizer = _load_model(args)
+    texts = load_calibration_texts(args.prompts, spec.measure.max_prompts)
+    prompts = encode_prompts(tokenizer, texts, next(model.parameters()).device)
+    output = args.output or args.heads or os.path.join("calibration", Path(str(args.model)).name)
+    result = calibrate(model, prompts, spec, storage=args.storage, output=output, study_name=args.study_name,
+                       trials=args.trials, timeout=args.timeout, model_name=str(args.model))
+    print(f"best {describe(result.report['confirmed'][0]['params'])}: {result.best_tokens_per_s:.2f} tok/s, plain "
+          f"{result.plain_tokens_per_s:.2f} tok/s, x{result.speedup:.2f}; config and report in {output}")
+    return 0

@@ -1,0 +1,248 @@
+"""The calibrator's search space: the YAML specification (`space:` what may vary, `measure:` how a trial is timed,
+`search:` how trials are chosen), the space resolved against a model and its registered drafters, and how a
+trial's parameters become a SelfSpecConfig. Shipped specifications: search_spaces/ next to this file."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...config import SelfSpecConfig
+
+SEARCHABLE_DRAFTERS = ("early_exit", "ngram", "hybrid", "none")
+EXIT_DRAFTERS = ("early_exit", "hybrid")  # drafters that run layers [0, E) + the exit head
+NGRAM_DRAFTERS = ("ngram", "hybrid")
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+# --- the search specification (YAML) -------------------------------------------------------------------------
+@dataclass
+class SpaceSpec:
+    """`space:` of the YAML, before the model is known. Ranges are {min, max[, step]}; see configs/search/."""
+
+    exit_layer: object = "auto"  # "auto" | [list] | {min, max, step}
+    max_draft_tokens: object = field(default_factory=lambda: {"min": 1, "max": 8})
+    draft_confidence_threshold: object = field(default_factory=lambda: {"min": 0.0, "max": 0.9, "step": 0.1})
+    drafter: object = field(default_factory=lambda: ["early_exit", "ngram", "hybrid"])
+    ngram_max: object = field(default_factory=lambda: {"min": 2, "max": 5})
+    hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
+    hybrid_extend: object = field(default_factory=lambda: [True, False])
+
+
+@dataclass
+class MeasureSpec:
+    """`measure:` how one trial is timed."""
+
+    max_prompts: int = 6  # calibration prompts taken from the prompt file (round-robin over categories)
+    max_new_tokens: int = 40  # greedy tokens generated per prompt
+    warmup_new_tokens: int = 4  # untimed generation with the trial's setting before timing it
+    timing_repeats: int = 5  # repeats of each cost-model micro-timing (median taken)
+
+
+@dataclass
+class StrategySpec:
+    """`search:` how trials are chosen."""
+
+    seed: int = 0
+    startup_trials: int = 5  # TPE's random trials (enqueued ones count)
+    enqueue_top: int = 5  # cost model's best (exit layer, K) pairs measured first
+    prune_below: float = 0.6  # prune a trial whose prediction is below this share of the best measured
+    min_measured: int = 3  # no pruning before this many measured trials
+    final_candidates: int = 3  # best measured settings re-timed against plain generate at the end
+    final_rounds: int = 2  # interleaved rounds of that re-timing
+
+
+@dataclass
+class SearchSpec:
+    space: SpaceSpec = field(default_factory=SpaceSpec)
+    measure: MeasureSpec = field(default_factory=MeasureSpec)
+    search: StrategySpec = field(default_factory=StrategySpec)
+    source: str = "<defaults>"
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>") -> "SearchSpec":
+        data = dict(data or {})
+        _reject_unknown(data, {"space", "measure", "search"}, source, "top level")
+        parts = {}
+        for key, part_cls in (("space", SpaceSpec), ("measure", MeasureSpec), ("search", StrategySpec)):
+            section = dict(data.get(key) or {})
+            _reject_unknown(section, {f.name for f in dataclasses.fields(part_cls)}, source, key)
+            parts[key] = part_cls(**section)
+        return cls(**parts, source=source)
+
+    def to_dict(self) -> dict:
+        return {"space": dataclasses.asdict(self.space), "measure": dataclasses.asdict(self.measure),
+                "search": dataclasses.asdict(self.search), "source": self.source}
+
+
+def _reject_unknown(section: dict, known: set, source: str, where: str) -> None:
+    unknown = set(section) - known
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {sorted(unknown)} in {where}; known: {sorted(known)}.")
+
+
+def load_search_spec(path: str | os.PathLike) -> SearchSpec:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Search space file {str(path)!r} not found; see configs/search/default.yaml.")
+    with open(path) as f:
+        return SearchSpec.from_dict(yaml.safe_load(f) or {}, source=str(path))
+
+
+def default_space_path(model_name: str | None) -> Path | None:
+    """configs/search/<model>.yaml when the checkout has one, else configs/search/default.yaml, else None."""
+    folder = REPO_ROOT / "configs" / "search"
+    names = ([f"{Path(str(model_name)).name}.yaml"] if model_name else []) + ["default.yaml"]
+    return next((folder / n for n in names if (folder / n).is_file()), None)
+
+
+@dataclass
+class SearchSpace:
+    """The space resolved against a model: what trials may suggest."""
+
+    exit_layers: list[int]
+    max_draft_tokens: list[int]
+    thresholds: tuple[float, float, float]  # min, max, step (step 0 = continuous)
+    drafters: list[str]
+    ngram_max: list[int]
+    hybrid_min_match: list[int] = field(default_factory=lambda: [2])
+    hybrid_extend: list[bool] = field(default_factory=lambda: [True])
+
+    def threshold_grid(self) -> list[float]:
+        lo, hi, step = self.thresholds
+        if step <= 0:
+            return sorted({lo, hi})
+        return [round(lo + i * step, 10) for i in range(int(math.floor((hi - lo) / step + 1e-9)) + 1)]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _int_range(value, name: str, source: str, minimum: int = 1) -> list[int]:
+    """[list] | {min, max, step} | int -> sorted list of ints, each >= minimum."""
+    values = _int_values(value, name, source)
+    if values[0] < minimum:
+        raise ValueError(f"{source}: space.{name} must be >= {minimum}, got {values[0]}.")
+    return values
+
+
+def _int_values(value, name: str, source: str) -> list[int]:
+    if isinstance(value, bool):
+        raise ValueError(f"{source}: space.{name} must be a list of integers or {{min, max, step}}, got {value!r}.")
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"{source}: space.{name} must be a non-empty list of integers, got {value!r}.")
+        return sorted(set(value))
+    if isinstance(value, dict) and {"min", "max"} <= set(value) <= {"min", "max", "step"}:
+        lo, hi, step = value["min"], value["max"], value.get("step", 1)
+        if not all(isinstance(v, int) for v in (lo, hi, step)) or step < 1 or lo > hi:
+            raise ValueError(f"{source}: space.{name} needs integers min <= max and step >= 1, got {value!r}.")
+        return list(range(lo, hi + 1, step))
+    raise ValueError(f"{source}: space.{name} must be a list of integers or {{min, max, step}}, got {value!r}.")
+
+
+def _threshold_range(value, source: str) -> tuple[float, float, float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        lo = hi = float(value)
+        step = 0.0
+    elif isinstance(value, dict) and {"min", "max"} <= set(value) <= {"min", "max", "step"}:
+        lo, hi, step = float(value["min"]), float(value["max"]), float(value.get("step", 0.0))
+    else:
+        raise ValueError(f"{source}: space.draft_confidence_threshold must be a number or {{min, max, step}}, "
+                         f"got {value!r}.")
+    if not 0.0 <= lo <= hi < 1.0 or step < 0:
+        raise ValueError(f"{source}: space.draft_confidence_threshold needs 0 <= min <= max < 1 and step >= 0, "
+                         f"got min={lo}, max={hi}, step={step}.")
+    return lo, hi, step
+
+
+def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], registered) -> SearchSpace:
+    """Check the space against the model and the registered drafters; raise ValueError naming the fix."""
+    s, src = spec.space, spec.source
+    extend = [s.hybrid_extend] if isinstance(s.hybrid_extend, bool) else list(s.hybrid_extend or [])
+    if not extend or not all(isinstance(v, bool) for v in extend):
+        raise ValueError(f"{src}: space.hybrid_extend must be true, false or a list of them, got {s.hybrid_extend!r}.")
+    return SearchSpace(
+        exit_layers=_resolve_exits(s.exit_layer, num_layers, head_layers, src),
+        max_draft_tokens=_int_range(s.max_draft_tokens, "max_draft_tokens", src),  # K >= 1 drafts per step
+        thresholds=_threshold_range(s.draft_confidence_threshold, src),
+        drafters=_resolve_drafters(s.drafter, registered, src),
+        ngram_max=_int_range(s.ngram_max, "ngram_max", src),
+        hybrid_min_match=_int_range(s.hybrid_min_match, "hybrid_min_match", src),
+        hybrid_extend=sorted(set(extend), reverse=True))
+
+
+def _resolve_exits(value, num_layers: int, head_layers: list[int], source: str) -> list[int]:
+    if value == "auto":
+        return sorted(head_layers) if head_layers else list(range(1, num_layers))
+    exits = _int_values(value, "exit_layer", source)
+    bad = [e for e in exits if not 1 <= e <= num_layers - 1]
+    if bad:
+        raise ValueError(f"{source}: space.exit_layer includes {bad}, but the model has {num_layers} decoder layers: "
+                         f"exit layers must lie in 1..{num_layers - 1} (layers [0, E) draft, the rest verify). "
+                         f"Fix space.exit_layer (or use 'auto').")
+    return exits
+
+
+def _resolve_drafters(value, registered, source: str) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value or [])
+    unknown = [n for n in names if n not in SEARCHABLE_DRAFTERS]
+    if unknown or not names:
+        raise ValueError(f"{source}: space.drafter must list drafters among {SEARCHABLE_DRAFTERS}, got {value!r}.")
+    available = [n for n in names if n in registered]
+    skipped = [n for n in names if n not in registered]
+    if skipped:
+        print(f"calibrate: drafter(s) {skipped} not registered in this install; searching {available}.",
+              file=sys.stderr)
+    if not available:
+        raise ValueError(f"{source}: none of the drafters {names} is registered (registered: {sorted(registered)}).")
+    return available
+
+
+def suggest(trial, space: SearchSpace) -> dict:
+    """Define-by-run: exit layer and threshold only for drafters that use the exit head, ngram_max only for
+    drafters that match n-grams."""
+    params = {"drafter": trial.suggest_categorical("drafter", space.drafters)}
+    if params["drafter"] != "none":
+        params["max_draft_tokens"] = _suggest_from(trial, "max_draft_tokens", space.max_draft_tokens)
+    if params["drafter"] in EXIT_DRAFTERS:
+        params["exit_layer"] = _suggest_from(trial, "exit_layer", space.exit_layers)
+        lo, hi, step = space.thresholds
+        params["draft_confidence_threshold"] = trial.suggest_float(
+            "draft_confidence_threshold", lo, hi, step=step or None)
+    if params["drafter"] in NGRAM_DRAFTERS:
+        params["ngram_max"] = _suggest_from(trial, "ngram_max", space.ngram_max)
+    if params["drafter"] == "hybrid":
+        params["hybrid_min_match"] = _suggest_from(trial, "hybrid_min_match", space.hybrid_min_match)
+        params["hybrid_extend"] = trial.suggest_categorical("hybrid_extend", space.hybrid_extend)
+    return params
+
+
+def _suggest_from(trial, name: str, values: list[int]) -> int:
+    steps = {b - a for a, b in zip(values, values[1:])}
+    if len(values) == 1 or len(steps) == 1:  # an evenly spaced range keeps its order for TPE
+        return trial.suggest_int(name, values[0], values[-1], step=steps.pop() if steps else 1)
+    return trial.suggest_categorical(name, values)
+
+
+def trial_config(base: SelfSpecConfig, params: dict) -> SelfSpecConfig:
+    config = base.replace(**params)
+    if config.ngram_min > config.ngram_max:
+        config = config.replace(ngram_min=config.ngram_max)
+    return config
+
+
+def describe(params: dict) -> str:
+    parts = [params["drafter"]]
+    for key, short in (("exit_layer", "E"), ("max_draft_tokens", "K"), ("draft_confidence_threshold", "thr"),
+                       ("ngram_max", "n"), ("hybrid_min_match", "match"), ("hybrid_extend", "extend")):
+        if key in params:
+            value = params[key]
+            parts.append(f"{short}={value:.2f}" if isinstance(value, float) else f"{short}={value}")
+    return " ".join(parts)

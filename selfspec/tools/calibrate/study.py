@@ -1,0 +1,355 @@
+"""The Optuna study: opened or resumed for one model, device and dtype; trials suggested from the space, predicted,
+pruned or measured; the best settings re-timed against plain `generate`; `calibrate` runs it all."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...config import SelfSpecConfig
+from ...wrap import wrap
+from ..measure import environment as measure_environment
+from ..measure import model_identity
+from .predictor import MODELLED_DRAFTERS, Predictor, build_predictor
+from .report import REPORT_NAME, build_report, save_result
+from .space import EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, resolve_space, suggest, trial_config
+from .trials import Measurement, generate_once, time_generation, time_setting
+
+
+def study_identity(model, name: str | None) -> dict:
+    """What a study's trials were measured on: the model (measure.model_identity) and the heads it drafts with."""
+    return {**model_identity(model, name), "heads": sorted(model.selfspec.heads)}
+
+
+def environment(model) -> dict:
+    return measure_environment(next(model.parameters()).device, ("optuna",))
+
+
+def open_study(storage: str, study_name: str, identity: dict, seed: int, startup: int):
+    """Create the study or resume it; a stored study made for another model or device is refused. A study stored
+    before the identity recorded a key (the LM-head fingerprint came later) is compared on the keys it has."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, group=True)
+    study = optuna.create_study(study_name=study_name, storage=storage, direction="maximize", sampler=sampler,
+                                load_if_exists=True)
+    stored = study.user_attrs.get("identity")
+    diff = {k: (stored[k], identity[k]) for k in identity if k in (stored or {}) and stored[k] != identity[k]}
+    if diff:
+        raise ValueError(f"Study {study_name!r} in {storage} was made for another setup (stored vs now: {diff}); "
+                         "pass another --study-name or --storage.")
+    if stored is None:
+        study.set_user_attr("identity", identity)
+    return study
+
+
+def _measured(study) -> list:
+    import optuna
+
+    return [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if t.user_attrs.get("measured")]
+
+
+@dataclass
+class Session:
+    """Everything a trial needs; `objective` is the Optuna objective."""
+
+    model: object
+    base: SelfSpecConfig
+    prompts: list[torch.Tensor]
+    plain: Measurement
+    space: SearchSpace
+    spec: SearchSpec
+    predictor: Predictor | None
+    log: object = print
+    measured_this_run: int = 0
+
+    def objective(self, trial) -> float:
+        import optuna
+
+        params = suggest(trial, self.space)
+        prediction = self.predictor.predict(params) if self.predictor else None
+        if prediction is not None:
+            trial.set_user_attr("predicted_tokens_per_s", prediction.tokens_per_s)
+            trial.set_user_attr("predicted_mean_accepted_tokens", prediction.mean_accepted_tokens)
+            trial.set_user_attr("predicted_acceptance_rate", prediction.acceptance_rate)
+        done = _measured(trial.study)
+        twin = next((t for t in done if t.params == trial.params), None)
+        if twin is not None:  # TPE re-proposed a measured setting: reuse it instead of paying again
+            trial.set_user_attr("duplicate_of", twin.number)
+            self.log(f"trial {trial.number:3d} {describe(params):40s} = trial {twin.number} ({twin.value:.2f} tok/s)")
+            return twin.value
+        reason = self.prune_reason(prediction, done)
+        if reason:
+            trial.set_user_attr("pruned_by_cost_model", reason)
+            self.log(f"trial {trial.number:3d} {describe(params):40s} pruned: {reason}")
+            raise optuna.TrialPruned(reason)
+        m = time_setting(self.model, trial_config(self.base, params), self.prompts, self.spec.measure)
+        self.record(trial, m)
+        self.measured_this_run += 1
+        self.log(self.progress_line(trial, params, m, prediction, done))
+        return m.tokens_per_s
+
+    def prune_reason(self, prediction, done) -> str | None:
+        """Hopeless when the prediction, rescaled by how far predictions ran off so far, is far below the best."""
+        strategy = self.spec.search
+        if prediction is None or len(done) < strategy.min_measured:
+            return None
+        ratios = [t.value / t.user_attrs["predicted_tokens_per_s"] for t in done
+                  if t.user_attrs.get("predicted_tokens_per_s")]
+        scale = statistics.median(ratios) if ratios else 1.0
+        best = max(t.value for t in done)
+        expected = prediction.tokens_per_s * scale
+        if expected < strategy.prune_below * best:
+            return f"predicted {expected:.2f} tok/s < {strategy.prune_below:.2f} x best {best:.2f}"
+        return None
+
+    def record(self, trial, m: Measurement) -> None:
+        trial.set_user_attr("measured", True)
+        for key in ("acceptance_rate", "mean_accepted_tokens", "draft_seconds", "verify_seconds", "prefill_seconds",
+                    "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens"):
+            trial.set_user_attr(key, m.stats.get(key))
+        trial.set_user_attr("seconds", m.seconds)
+        trial.set_user_attr("speedup_vs_plain", m.tokens_per_s / self.plain.tokens_per_s)
+        same = all(torch.equal(a, b) for a, b in zip(m.outputs, self.plain.outputs))
+        trial.set_user_attr("matches_plain", same)  # greedy output must equal plain generate's
+
+    def progress_line(self, trial, params, m: Measurement, prediction, done) -> str:
+        best = max([t.value for t in done] + [m.tokens_per_s])
+        pred = f"pred {prediction.tokens_per_s:6.2f}" if prediction else "pred    -  "
+        flag = "" if trial.user_attrs.get("matches_plain") else "  OUTPUT DIFFERS FROM PLAIN"
+        return (f"trial {trial.number:3d} {describe(params):40s} {m.tokens_per_s:6.2f} tok/s ({pred}) "
+                f"accept {m.stats['acceptance_rate']:.2f} tok/step {m.stats['mean_accepted_tokens']:.2f} "
+                f"| best {best:.2f}, plain {self.plain.tokens_per_s:.2f}{flag}")
+
+
+def enqueue_predicted(study, predictor: Predictor | None, space: SearchSpace, top: int, log) -> None:
+    """The cost model's best settings first, plus one default trial of each drafter it cannot model."""
+    queued = []
+    if predictor is not None:
+        queued += [params for params, _ in predictor.best(top)]
+    k_mid = _nearest(space.max_draft_tokens, 4)
+    for drafter in space.drafters:
+        if drafter == "none" or (predictor is not None and drafter in MODELLED_DRAFTERS):
+            continue
+        params = {"drafter": drafter, "max_draft_tokens": k_mid}
+        if drafter in EXIT_DRAFTERS:
+            early = next((p for p in queued if p["drafter"] == "early_exit"), None)
+            params.update({k: early[k] for k in ("exit_layer", "draft_confidence_threshold")} if early else
+                          {"exit_layer": space.exit_layers[len(space.exit_layers) // 2],
+                           "draft_confidence_threshold": space.thresholds[0]})
+        params["ngram_max"] = _nearest(space.ngram_max, 3)
+        if drafter == "hybrid":
+            params["hybrid_min_match"] = _nearest(space.hybrid_min_match, 2)
+            params["hybrid_extend"] = space.hybrid_extend[0]
+        queued.append(params)
+    seen = [t.params for t in study.get_trials(deepcopy=False)]
+    fresh = [p for p in queued if p not in seen]
+    for params in fresh:
+        study.enqueue_trial(params, user_attrs={"enqueued_by": "cost_model"})
+    if fresh:
+        log(f"enqueued {len(fresh)} trials: " + "; ".join(describe(p) for p in fresh))
+
+
+def _nearest(values: list[int], target: int) -> int:
+    return min(values, key=lambda v: (abs(v - target), v))
+
+
+class _Budget:
+    """Stop after `trials` measured trials of this run (pruned and duplicate trials are free), with a cap on
+    all trials in case everything left is pruned."""
+
+    def __init__(self, session: Session, trials: int | None):
+        self.session, self.trials = session, trials
+        self.started = 0
+
+    def __call__(self, study, trial) -> None:
+        self.started += 1
+        if self.trials is None:
+            return
+        if self.session.measured_this_run >= self.trials or self.started >= 10 * self.trials + 20:
+            study.stop()
+
+
+def top_settings(study, count: int) -> list:
+    done = sorted(_measured(study), key=lambda t: t.value, reverse=True)
+    picked, seen = [], []
+    for t in done:
+        if t.params not in seen:
+            seen.append(t.params)
+            picked.append(t)
+    return picked[:count]
+
+
+def best_per_drafter(study) -> dict[str, dict]:
+    """{drafter: params of its fastest measured trial}, so that each drafter can be run at its own best setting
+    (an n-gram drafter wants other K than an exit head; the bench reads this)."""
+    best: dict[str, tuple[float, dict]] = {}
+    for t in _measured(study):
+        drafter = t.params.get("drafter", "early_exit")
+        if drafter not in best or t.value > best[drafter][0]:
+            best[drafter] = (t.value, dict(t.params))
+    return {d: params for d, (_, params) in sorted(best.items())}
+
+
+def confirm(session: Session, candidates: list, rounds: int, log) -> tuple[list[dict], float]:
+    """Re-time the best settings and plain generate prompt by prompt, in rotating order, so that load drifting
+    over the run (other processes on a shared machine) hits every setting alike."""
+    configs = [None] + [trial_config(session.base, t.params) for t in candidates]  # None: plain generate
+    for config in configs[1:]:
+        session.model.selfspec.config = config
+        generate_once(session.model, session.prompts[0], session.spec.measure.warmup_new_tokens or 2, plain=False)
+    totals = [[0, 0.0] for _ in configs]
+    turn = 0
+    for _ in range(rounds):
+        for ids in session.prompts:
+            for j in [(turn + i) % len(configs) for i in range(len(configs))]:
+                if configs[j] is not None:
+                    session.model.selfspec.config = configs[j]
+                m = time_generation(session.model, [ids], session.spec.measure.max_new_tokens, configs[j] is None)
+                totals[j][0] += m.new_tokens
+                totals[j][1] += m.seconds
+            turn += 1
+    plain_tps = totals[0][0] / totals[0][1]
+    rows = [{"trial": t.number, "params": dict(t.params), "search_tokens_per_s": t.value,
+             "confirmed_tokens_per_s": n / s, "speedup": n / s / plain_tps,
+             "acceptance_rate": t.user_attrs.get("acceptance_rate"),
+             "mean_accepted_tokens": t.user_attrs.get("mean_accepted_tokens")}
+            for t, (n, s) in zip(candidates, totals[1:])]
+    rows.sort(key=lambda r: r["confirmed_tokens_per_s"], reverse=True)
+    for r in rows:
+        log(f"confirm  {describe(r['params']):40s} {r['confirmed_tokens_per_s']:6.2f} tok/s "
+            f"(x{r['speedup']:.2f} vs plain {plain_tps:.2f})")
+    return rows, plain_tps
+
+
+@dataclass
+class CalibrationResult:
+    best: SelfSpecConfig
+    best_tokens_per_s: float  # re-timed in the final comparison
+    plain_tokens_per_s: float  # plain generate, timed in the same comparison
+    study_name: str
+    storage: str
+    report: dict
+    output: str | None = None
+
+    @property
+    def speedup(self) -> float:
+        return self.best_tokens_per_s / self.plain_tokens_per_s
+
+
+# --- the whole run -------------------------------------------------------------------------------------------
+def default_storage(output: str) -> str:
+    return f"sqlite:///{os.path.abspath(os.path.join(output, 'study.db'))}"
+
+
+def _ensure_wrapped(model) -> None:
+    """Wrap with the default config, its exit layer clipped to small models (trials set their own)."""
+    if getattr(model, "selfspec", None) is None:
+        from ...arch import adapter_for
+
+        layers = adapter_for(model).num_layers
+        wrap(model, exit_layer=min(SelfSpecConfig().exit_layer, max(layers - 1, 1)))
+
+
+def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None, *, storage: str | None = None,
+              output: str | None = None, study_name: str | None = None, trials: int | None = None,
+              timeout: float | None = None, model_name: str | None = None, log=print) -> CalibrationResult:
+    """Search the fastest setting of `model` (wrapped or not; heads already attached) over `prompts` ((1, T) ids
+    each). The space is checked before anything runs. Writes config + report into `output` when given."""
+    import optuna
+    from ...drafters import DRAFTER_FACTORIES
+
+    spec = spec or SearchSpec()
+    _ensure_wrapped(model)
+    model.selfspec.timed = True  # the cost model reads draft and verify seconds: make them true on a GPU too
+    engine = model.selfspec
+    base = engine.config
+    space = resolve_space(spec, engine.adapter.num_layers, list(engine.heads), DRAFTER_FACTORIES)
+    _check_budget(trials, timeout, prompts)
+    if storage is None:
+        if output is None:
+            raise ValueError("calibrate needs a storage URL or an output directory for the study.")
+        os.makedirs(output, exist_ok=True)
+        storage = default_storage(output)
+    trials = 20 if trials is None and timeout is None else trials
+    identity = study_identity(model, model_name)
+    study_name = study_name or _default_study_name(identity)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    log(f"calibrate: {identity['model_name']} ({identity['num_layers']} layers) on {identity['device']} "
+        f"{identity['dtype']}, {len(prompts)} prompts x {spec.measure.max_new_tokens} tokens, "
+        f"exit layers {space.exit_layers}, drafters {space.drafters}")
+    study = open_study(storage, study_name, identity, spec.search.seed, spec.search.startup_trials)
+    session = _prepare_session(model, base, prompts, space, spec, log)
+    _set_study_attrs(study, session, spec, space)
+    enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
+    study.optimize(session.objective, timeout=timeout, callbacks=[_Budget(session, trials)],
+                   catch=(torch.cuda.OutOfMemoryError,) if torch.cuda.is_available() else ())
+    return _finish(model, study, session, base, storage, output, identity, log)
+
+
+def _check_budget(trials, timeout, prompts) -> None:
+    if trials is not None and trials < 1:
+        raise ValueError(f"--trials must be >= 1, got {trials}.")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {timeout}.")
+    if not prompts:
+        raise ValueError("calibrate needs at least one prompt.")
+
+
+def _default_study_name(identity: dict) -> str:
+    name = Path(str(identity["model_name"])).name or "model"
+    heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
+    return f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}"
+
+
+def _prepare_session(model, base, prompts, space, spec, log) -> Session:
+    measure = spec.measure
+    generate_once(model, prompts[0], max(measure.warmup_new_tokens, 2), plain=True)  # warm-up: first calls are slow
+    plain = time_generation(model, prompts, measure.max_new_tokens, plain=True)
+    log(f"plain generate: {plain.tokens_per_s:.2f} tok/s ({plain.new_tokens} tokens in {plain.seconds:.1f}s)")
+    predictor = build_predictor(model, base, prompts, plain.outputs, space, measure, log)
+    return Session(model, base, prompts, plain, space, spec, predictor, log)
+
+
+def _set_study_attrs(study, session: Session, spec: SearchSpec, space: SearchSpace) -> None:
+    study.set_user_attr("environment", environment(session.model))
+    study.set_user_attr("search_spec", spec.to_dict())
+    study.set_user_attr("space", space.to_dict())
+    study.set_user_attr("plain_tokens_per_s_at_start", session.plain.tokens_per_s)
+    if session.predictor is not None:
+        study.set_user_attr("acceptance_profile", session.predictor.profile_summary(space.max_draft_tokens[-1]))
+
+
+def _finish(model, study, session, base, storage, output, identity, log) -> CalibrationResult:
+    candidates = top_settings(study, session.spec.search.final_candidates)
+    if not candidates:
+        raise RuntimeError(f"No trial of study {study.study_name!r} was measured; raise --trials or --timeout.")
+    confirmed, plain_tps = confirm(session, candidates, session.spec.search.final_rounds, log)
+    winner = confirmed[0]
+    best = trial_config(base, winner["params"]).replace(metadata={
+        "calibration": {"tokens_per_s": winner["confirmed_tokens_per_s"], "plain_tokens_per_s": plain_tps,
+                        "speedup": winner["speedup"], "study": study.study_name, "trial": winner["trial"],
+                        "device": identity["device"], "dtype": identity["dtype"],
+                        "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
+                        "per_drafter": best_per_drafter(study)}})
+    study.set_user_attr("final", {"best": winner, "plain_tokens_per_s": plain_tps})
+    report = build_report(study, session, confirmed, plain_tps, best)
+    if output is not None:
+        from ... import __version__
+
+        save_result(model, best, report, output, {"selfspec_version": __version__})
+        log(f"wrote {output}/selfspec_config.json and {REPORT_NAME}.md/.json")
+    model.selfspec.config = best
+    log(f"best: {describe(winner['params'])} {winner['confirmed_tokens_per_s']:.2f} tok/s vs plain "
+        f"{plain_tps:.2f} (x{winner['speedup']:.2f})")
+    return CalibrationResult(best, winner["confirmed_tokens_per_s"], plain_tps, study.study_name, storage, report,
+                             output)

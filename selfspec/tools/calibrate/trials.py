@@ -1,0 +1,105 @@
+"""What a trial runs: the calibration prompts, and greedy generation timed with device synchronisation (plain
+`generate` or the wrapped model at a trial's setting)."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from ...config import SelfSpecConfig
+from ...prompts import EVAL_CATEGORIES, chat_input_ids, load_prompts
+from ..measure import eos_ids_of, timed
+from .space import MeasureSpec
+
+
+# --- calibration prompts -------------------------------------------------------------------------------------
+def load_calibration_texts(path: str | None, count: int) -> list[str]:
+    """First user turns to calibrate on: Spec-Bench's train split (its MT-bench categories) by default, or the
+    user's JSONL (Spec-Bench format) / text file. Evaluation categories are dropped from any file: never
+    calibrate on what the benchmarks report."""
+    if path is None:
+        prompts = load_prompts(split="train")
+    else:
+        prompts = load_prompts(path, split="all")
+        kept = [p for p in prompts if p.category not in EVAL_CATEGORIES]
+        if len(kept) < len(prompts):
+            print(f"calibrate: dropped {len(prompts) - len(kept)} prompts of Spec-Bench's evaluation categories "
+                  f"{EVAL_CATEGORIES}.", file=sys.stderr)
+        if not kept:
+            raise ValueError(f"{path} holds no calibration prompts outside the evaluation categories.")
+        prompts = kept
+    return pick_prompts([(p.category, p.text) for p in prompts], count)
+
+
+def pick_prompts(prompts: list[tuple[str, str]], count: int) -> list[str]:
+    """Round-robin over categories in file order, so a few prompts still cover every category."""
+    by_category: dict[str, list[str]] = {}
+    for category, text in prompts:
+        by_category.setdefault(category, []).append(text)
+    picked, depth = [], 0
+    while len(picked) < count and any(depth < len(v) for v in by_category.values()):
+        picked += [v[depth] for v in by_category.values() if depth < len(v)]
+        depth += 1
+    return picked[:count]
+
+
+def encode_prompts(tokenizer, texts: list[str], device) -> list[torch.Tensor]:
+    """(1, T) ids per prompt: the chat template with a generation prompt when the tokenizer has one."""
+    return [chat_input_ids(tokenizer, text).to(device) for text in texts]
+
+
+# --- timed generation ----------------------------------------------------------------------------------------
+@dataclass
+class Measurement:
+    tokens_per_s: float
+    new_tokens: int
+    seconds: float
+    outputs: list[torch.Tensor]  # generated ids (N,) per prompt
+    stats: dict = field(default_factory=dict)  # summed GenerationStats fields (speculative runs only)
+
+
+def generate_once(model, ids: torch.Tensor, new_tokens: int, plain: bool) -> torch.Tensor:
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=_pad_id(model))
+    # the class's generate is Hugging Face's own; the instance attribute is the wrapped one
+    generate = type(model).generate.__get__(model) if plain else model.generate
+    return generate(ids, **kwargs)[0, ids.shape[1]:]
+
+
+def _pad_id(model) -> int:
+    """The generation config's pad id, else its first EOS id (as Hugging Face's generate pads), else 0."""
+    pad = model.generation_config.pad_token_id
+    return int(pad) if pad is not None else next(iter(eos_ids_of(model)), 0)
+
+
+_STAT_KEYS = ("new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens", "draft_seconds", "verify_seconds",
+              "prefill_seconds")
+
+
+@torch.no_grad()
+def time_generation(model, prompts: list[torch.Tensor], new_tokens: int, plain: bool) -> Measurement:
+    """Greedy generation of every prompt, timed with device synchronisation; stats summed over prompts."""
+    device = prompts[0].device
+    outputs, seconds, totals = [], 0.0, dict.fromkeys(_STAT_KEYS, 0)
+    for ids in prompts:
+        out, took = timed(lambda: generate_once(model, ids, new_tokens, plain), device)
+        seconds += took
+        outputs.append(out.cpu())
+        if not plain:
+            stats = model.selfspec.last_stats
+            for key in _STAT_KEYS:
+                totals[key] += getattr(stats, key)
+    total = sum(o.numel() for o in outputs)
+    if not plain:
+        totals["acceptance_rate"] = totals["accepted_tokens"] / max(totals["drafted_tokens"], 1)
+        totals["mean_accepted_tokens"] = totals["new_tokens"] / max(totals["verify_steps"], 1)
+    return Measurement(total / seconds if seconds else 0.0, total, seconds, outputs, {} if plain else totals)
+
+
+def time_setting(model, config: SelfSpecConfig, prompts, measure: MeasureSpec) -> Measurement:
+    """Switch the engine to `config`, warm it up untimed, then time it."""
+    model.selfspec.config = config.validate(model.selfspec.adapter.num_layers)
+    if measure.warmup_new_tokens:
+        generate_once(model, prompts[0], measure.warmup_new_tokens, plain=False)
+    return time_generation(model, prompts, measure.max_new_tokens, plain=False)
