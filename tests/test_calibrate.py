@@ -12,8 +12,8 @@ import selfspec
 from conftest import make_model, prompt
 from selfspec.drafters import DRAFTER_FACTORIES
 from selfspec.tools import cost_model
-from selfspec.tools.calibrate import (REPO_ROOT, SearchSpec, calibrate, load_calibration_texts, load_search_spec,
-                                      pick_prompts, resolve_space)
+from selfspec.tools.calibrate import (SEARCH_SPACES, SearchSpec, calibrate, default_space_path,
+                                      load_calibration_texts, load_search_spec, pick_prompts, resolve_space)
 
 optuna = pytest.importorskip("optuna")
 
@@ -219,6 +219,11 @@ def test_bad_space_fails_before_any_trial(tmp_path, space, message):
     assert not (tmp_path / "out" / "study.db").exists()  # no study was opened, nothing was measured
 
 
+def test_unknown_space_names_the_shipped_ones():
+    with pytest.raises(FileNotFoundError, match=r"smollm2-135m"):
+        load_search_spec("no-such-space")
+
+
 def test_unknown_yaml_key_is_named(tmp_path):
     path = tmp_path / "space.yaml"
     path.write_text("space:\n  exit_layers: [1, 2]\n")
@@ -226,9 +231,14 @@ def test_unknown_yaml_key_is_named(tmp_path):
         load_search_spec(path)
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "smollm2-135m.yaml"])
+@pytest.mark.parametrize("name", ["default", "smollm2-135m"])
 def test_shipped_spaces_resolve_for_smollm2(name):
-    spec = load_search_spec(REPO_ROOT / "configs" / "search" / name)
+    """The search spaces ship inside the package (an installed wheel has no configs/): by name, by path, and as
+    the default for a model that has one (else default.yaml)."""
+    spec = load_search_spec(name)
+    assert spec.to_dict() == load_search_spec(SEARCH_SPACES / f"{name}.yaml").to_dict() | {"source": spec.source}
+    assert default_space_path(name) == SEARCH_SPACES / f"{name}.yaml"
+    assert default_space_path("some-org/other-model") == SEARCH_SPACES / "default.yaml"
     space = resolve_space(spec, num_layers=30, head_layers=[], registered=DRAFTER_FACTORIES)
     assert space.exit_layers == list(range(1, 30)) and space.max_draft_tokens[0] >= 1
     assert space.drafters[0] == "early_exit"

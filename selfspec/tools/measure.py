@@ -57,9 +57,9 @@ def machine_info(device=None) -> dict:
     device = torch.device("cpu" if device is None else device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "usable_cores": usable, "torch_threads": torch.get_num_threads(),
-            "device": name, "platform": platform.platform(), "python": platform.python_version(),
-            "machine": platform.machine()}
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "usable_cores": usable,
+            "torch_threads": torch.get_num_threads(), "device": name, "platform": platform.platform(),
+            "python": platform.python_version(), "machine": platform.machine()}
 
 
 def versions(*packages: str) -> dict:

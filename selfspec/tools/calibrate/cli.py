@@ -26,7 +26,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--storage", help="Optuna storage URL (default sqlite:///OUTPUT/study.db)")
     p.add_argument("--study-name", help="default: model-heads-device-dtype")
     p.add_argument("--output", help="where config, report and study go (default: --heads, else calibration/MODEL)")
-    p.add_argument("--space", help="search space YAML (default configs/search/MODEL.yaml or default.yaml)")
+    p.add_argument("--space", help="search space: a YAML file or a shipped space's name (default: the shipped "
+                                   "space for MODEL, else 'default'; see selfspec/tools/calibrate/search_spaces/)")
     p.add_argument("--max-prompts", type=int, help="override measure.max_prompts")
     p.add_argument("--max-new-tokens", type=int, help="override measure.max_new_tokens")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")

@@ -15,13 +15,14 @@ from ...config import SelfSpecConfig
 SEARCHABLE_DRAFTERS = ("early_exit", "ngram", "hybrid", "none")
 EXIT_DRAFTERS = ("early_exit", "hybrid")  # drafters that run layers [0, E) + the exit head
 NGRAM_DRAFTERS = ("ngram", "hybrid")
-REPO_ROOT = Path(__file__).resolve().parents[3]
+# the shipped search specifications, package data (installed with the wheel): <model>.yaml and default.yaml
+SEARCH_SPACES = Path(__file__).resolve().parent / "search_spaces"
 
 
 # --- the search specification (YAML) -------------------------------------------------------------------------
 @dataclass
 class SpaceSpec:
-    """`space:` of the YAML, before the model is known. Ranges are {min, max[, step]}; see configs/search/."""
+    """`space:` of the YAML, before the model is known. Ranges are {min, max[, step]}; see search_spaces/."""
 
     exit_layer: object = "auto"  # "auto" | [list] | {min, max, step}
     max_draft_tokens: object = field(default_factory=lambda: {"min": 1, "max": 8})
@@ -85,19 +86,28 @@ def _reject_unknown(section: dict, known: set, source: str, where: str) -> None:
 
 
 def load_search_spec(path: str | os.PathLike) -> SearchSpec:
+    """A YAML file, or the name of a shipped search space (`smollm2-135m`, `default`)."""
     import yaml
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"Search space file {str(path)!r} not found; see configs/search/default.yaml.")
+        shipped = SEARCH_SPACES / f"{path}.yaml"
+        if os.sep in str(path) or "/" in str(path) or not shipped.is_file():
+            raise FileNotFoundError(f"Search space file {str(path)!r} not found; pass a YAML file like "
+                                    f"{SEARCH_SPACES / 'default.yaml'} or a shipped space's name "
+                                    f"({', '.join(shipped_spaces())}).")
+        path = shipped
     with open(path) as f:
         return SearchSpec.from_dict(yaml.safe_load(f) or {}, source=str(path))
 
 
+def shipped_spaces() -> list[str]:
+    return sorted(p.stem for p in SEARCH_SPACES.glob("*.yaml"))
+
+
 def default_space_path(model_name: str | None) -> Path | None:
-    """configs/search/<model>.yaml when the checkout has one, else configs/search/default.yaml, else None."""
-    folder = REPO_ROOT / "configs" / "search"
+    """The shipped search space for the model (search_spaces/<model>.yaml), else search_spaces/default.yaml."""
     names = ([f"{Path(str(model_name)).name}.yaml"] if model_name else []) + ["default.yaml"]
-    return next((folder / n for n in names if (folder / n).is_file()), None)
+    return next((SEARCH_SPACES / n for n in names if (SEARCH_SPACES / n).is_file()), None)
 
 
 @dataclass
