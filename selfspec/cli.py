@@ -12,7 +12,7 @@ COMMANDS = {
     "generate": ("selfspec.generate_cli", "stream an answer from a (wrapped) model and print speed stats"),
     "bench": ("selfspec.tools.bench", "Spec-Bench-style benchmark against Hugging Face's own methods"),
     "calibrate": ("selfspec.tools.calibrate", "Optuna search for the fastest exit layer / draft length on this device"),
-    "train-heads": ("train.train_heads", "train early-exit heads by self-distillation"),
+    "train-heads": ("selfspec.training.train_heads", "train early-exit heads by self-distillation"),
 }
 
 USAGE = "usage: selfspec [--debug] {" + ",".join(COMMANDS) + "} [--help] ...\n\n" + "\n".join(

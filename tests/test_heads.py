@@ -93,7 +93,7 @@ def test_drafts_stay_in_draft_vocabulary(monkeypatch, kind):
 
 def test_training_lowers_the_loss():
     """A few distillation steps on a tiny model's own hidden states lower the KL to its output."""
-    from train.train_heads import distill_loss
+    from selfspec.training.train_heads import distill_loss
 
     model = make_model("llama", 4, agreeable=False)
     with torch.no_grad():
@@ -201,7 +201,7 @@ def test_draft_vocabulary_logits_follow_the_lm_head():
 @pytest.mark.parametrize("context", ["early", "top"])
 def test_attention_head_training_lowers_the_loss(context):
     """A few distillation steps of an attention head (whole sequences, draft rounds of length 3 for "top")."""
-    from train.train_heads import distill_terms
+    from selfspec.training.train_heads import distill_terms
 
     model = make_model("llama", 4, agreeable=False)
     with torch.no_grad():
@@ -244,9 +244,9 @@ def test_saving_again_keeps_the_stored_dtype(tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
-    """train.eval_heads replays greedy drafting from one teacher-forced pass; its verify-step count must equal the
+    """selfspec.training.eval_heads replays greedy drafting from one teacher-forced pass; its verify-step count must equal the
     real loop's for every design (the README's eval table rests on it)."""
-    from train.eval_heads import replay
+    from selfspec.training.eval_heads import replay
 
     model = make_model("llama", 4)
     adapter = selfspec.arch.adapter_for(model)

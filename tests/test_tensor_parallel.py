@@ -187,8 +187,8 @@ def test_single_process_agreement_is_free(monkeypatch):
 
 
 def test_training_heads_under_torchrun_is_refused(monkeypatch):
-    import train.train_heads
+    from selfspec.training import train_heads
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match="one process"):
-        train.train_heads.main(["--steps", "1"])
+        train_heads.main(["--steps", "1"])

@@ -1,0 +1,285 @@
+"""Compare exit-head designs on the Spec-Bench eval split. Reads top to bottom.
+
+    python -m train.eval_heads --per-category 8 --measure mlp:15 attn-top:8
+    python -m train.eval_heads --design mine=runs/my-heads --exits 8 12 --measure mine:8
+
+For every prompt: the plain model's greedy answer (timed: the 1.00x baseline), then one teacher-forced pass over
+prompt + answer whose hidden states feed every head. Per design and exit layer it reports
+  agreement     share of answer tokens the head's first draft gets right (the full model's argmax);
+  sim_mat       mean accepted tokens per verify step (the verifier's token included, prefill counted as a step)
+                that greedy drafting of K tokens reaches on this text. Greedy verification accepts a draft exactly
+                when it equals the reference token, and the head's inputs are the model's own states of the
+                accepted text, so this replays the decode loop without running it (an attention head with
+                context="top" is replayed round by round: final states before each round, layer-E states inside);
+and, for the settings named in --measure, a real `generate` with the wrapped model on the same prompt, checked
+token-identical to the baseline: measured mean accepted tokens and tokens/s relative to the baseline, the runs
+interleaved prompt by prompt so drift hits all alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------------------
+# config
+SHIPPED = str(Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m")  # the heads shipped in the package
+
+
+@dataclass
+class EvalConfig:
+    model: str = "smollm2-135m"  # name or path for selfspec.models.resolve_model
+    per_category: int = 8  # prompts per eval category (5 categories: 40 prompts at 8)
+    max_new_tokens: int = 128  # greedy answer length per prompt
+    max_draft_tokens: int = 4  # K of the replay and of the measured runs
+    # design name -> directory written by save_pretrained (None: the model's own norm + LM head, no parameters)
+    designs: dict = field(default_factory=lambda: {
+        "norm": None, "mlp": SHIPPED, "attn": "runs/smollm2-135m-attn-early", "attn-top": "runs/smollm2-135m-attn-top"})
+    exits: list = field(default_factory=lambda: [4, 8, 12, 15])  # exit layers to report (where a design has a head)
+    measure: list = field(default_factory=list)  # "design:E" settings to run for real and time
+    threads: int | None = 1  # torch intra-op threads (1: steady timings on a shared CPU)
+    output: str = "bench_results/heads-eval"  # results.md + results.json
+
+
+def parse_args(argv) -> EvalConfig:
+    d = EvalConfig()
+    p = argparse.ArgumentParser(prog="python -m train.eval_heads", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--per-category", type=int, default=d.per_category)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--max-draft-tokens", type=int, default=d.max_draft_tokens)
+    p.add_argument("--design", action="append", default=[], metavar="NAME=DIR",
+                   help="add or replace a design (DIR from save_pretrained; 'none' for the plain exit)")
+    p.add_argument("--only", nargs="+", default=None, help="keep only these designs")
+    p.add_argument("--exits", type=int, nargs="+", default=d.exits)
+    p.add_argument("--measure", nargs="+", default=[], metavar="DESIGN:E")
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--output", default=d.output)
+    a = p.parse_args(argv)
+    designs = dict(d.designs)
+    for item in a.design:
+        name, _, path = item.partition("=")
+        designs[name] = None if path.lower() in ("", "none") else path
+    if a.only:
+        designs = {k: v for k, v in designs.items() if k in a.only}
+    for item in a.measure:
+        name, _, e = item.partition(":")
+        if name not in designs or not e.isdigit():
+            raise SystemExit(f"--measure {item!r}: expected DESIGN:E with DESIGN one of {sorted(designs)}.")
+    return EvalConfig(a.model, a.per_category, a.max_new_tokens, a.max_draft_tokens, designs, a.exits, a.measure,
+                      a.threads, a.output)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# heads: each design's heads, loaded once through the same path users take (wrap with a saved directory)
+def load_designs(model, cfg: EvalConfig) -> dict:
+    """{(design, E): head} for every design and exit layer that has one (the plain exit exists everywhere)."""
+    import selfspec
+
+    heads = {}
+    for name, path in cfg.designs.items():
+        selfspec.wrap(model, path) if path else selfspec.wrap(model)
+        for e in cfg.exits:
+            if path is None or e in model.selfspec.heads:
+                heads[(name, e)] = model.selfspec.head_for(e)
+        selfspec.unwrap(model)
+    return heads
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# replay: what the decode loop would accept, from one teacher-forced pass
+@torch.no_grad()
+def first_drafts(head, adapter, states, p: int, n: int) -> torch.Tensor:
+    """(n,) the head's draft for answer token i made from the state of the token before it (all rounds' first
+    drafts; for stateless and context="early" heads also every later draft, since their inputs are the same)."""
+    from selfspec.heads import teacher_forced_logits
+
+    logits = teacher_forced_logits(head, states, adapter, slice(p - 1, p - 1 + n))  # (n, V_draft)
+    return head.token_ids(logits.argmax(-1))
+
+
+@torch.no_grad()
+def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new: int) -> int:
+    """Verify steps of greedy decoding with K = k drafts per step on this answer (generated with max_new new
+    tokens), counted by the loop's own rules (selfspec.tools.replay): a step after answer token done - 1 drafts
+    the head's tokens for done, done + 1, ... and the verifier accepts them while they equal the answer."""
+    from selfspec.tools.replay import accepted_drafts, replay_greedy
+
+    n = answer.numel()
+    rounds = TopRounds(head, adapter, states) if head.stateful and head.context == "top" else None
+    hits = None if rounds else (first_drafts(head, adapter, states, p, n) == answer).tolist()
+
+    def step(done: int, room: int) -> int:
+        if rounds is None:
+            return accepted_drafts(hits[done : done + room])
+        return accepted_drafts((rounds.drafts(p + done - 1, room) == answer[done : done + room]).tolist()
+                               if room else [])
+
+    return replay_greedy(n, max_new, k, step)
+
+
+class TopRounds:
+    """Drafts of a context="top" attention head, round by round, as the decode loop feeds it: its cache holds
+    final states up to the round's first position r, then the round's layer-E states. Rounds only move forward,
+    so each call adds the final states of the positions verified since the last one and cuts the last round's
+    layer-E entries: linear in the text, not quadratic."""
+
+    def __init__(self, head, adapter, states):
+        from selfspec.cache import SpecCache
+
+        self.head, self.adapter = head, adapter
+        self.early, self.top = states[head.exit_layer], states[-1]  # (1, T, H)
+        self.cache, self.have_top = SpecCache(1), 0  # slots [0, have_top) hold final states
+
+    def _attend(self, hidden, start: int) -> torch.Tensor:
+        from selfspec.masks import build_mask
+
+        t = hidden.shape[1]
+        slots = torch.arange(start + t)[None]
+        mask = build_mask(slots, slots[:, start:], start, self.adapter.window(self.head.source_layer),
+                          hidden.dtype, self.adapter.attn_impl)
+        return self.head.attend(hidden, self.adapter, slots[:, start:], mask, self.cache)
+
+    def drafts(self, r: int, room: int) -> torch.Tensor:
+        """(room,) draft ids for positions r+1 .. r+room of a round whose pending token sits at position r."""
+        self.cache.rollback(self.have_top)
+        if self.have_top < r:
+            self._attend(self.top[:, self.have_top : r], self.have_top)
+            self.have_top = r
+        out = self._attend(self.early[:, r : r + room], r)
+        return self.head.token_ids(self.head.logits(out, self.adapter)[0].argmax(-1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    """Sums over prompts for one (design, exit) or one measured setting."""
+
+    hits: int = 0
+    drafted: int = 0  # answer tokens after the first (each is some step's first draft once)
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    exact: bool = True
+    by_category: dict = field(default_factory=dict)  # category -> [hits, drafted]
+
+    def add_agreement(self, category: str, hits: int, drafted: int) -> None:
+        self.hits, self.drafted = self.hits + hits, self.drafted + drafted
+        cat = self.by_category.setdefault(category, [0, 0])
+        cat[0], cat[1] = cat[0] + hits, cat[1] + drafted
+
+    @property
+    def agreement(self) -> float:
+        return self.hits / max(1, self.drafted)
+
+    @property
+    def mat(self) -> float:
+        return self.tokens / max(1, self.steps)
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    import selfspec
+    from selfspec.tools.measure import eos_ids_of, machine_info, timed, versions
+    from selfspec.models import resolve_model
+    from selfspec.prompts import chat_input_ids, load_prompts
+    from tqdm import tqdm
+
+    model, tok = resolve_model(cfg.model)
+    adapter = selfspec.arch.adapter_for(model)
+    heads = load_designs(model, cfg)
+    measure = [(m.partition(":")[0], int(m.partition(":")[2])) for m in cfg.measure]
+    prompts = load_prompts(split="eval", limit_per_category=cfg.per_category)
+    gen = dict(max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id or 0)
+    eos = set(eos_ids_of(model, tok))
+    print(f"{len(prompts)} eval prompts; designs x exits: {sorted(heads)}; measured: {measure}")
+
+    model.generate(chat_input_ids(tok, "Warm up."), **{**gen, "max_new_tokens": 8})  # first-call costs
+    replays = {key: Tally() for key in heads}
+    runs = {key: Tally() for key in [("hf-greedy", 0)] + measure}
+    for i, prompt in enumerate(tqdm(prompts, desc="eval-heads")):
+        ids = chat_input_ids(tok, prompt.text)
+        p = ids.shape[1]
+        with torch.no_grad():
+            out, seconds = timed(lambda: model.generate(ids, **gen), model.device)
+        answer = out[0, p:]
+        base = runs[("hf-greedy", 0)]
+        base.tokens, base.seconds = base.tokens + answer.numel(), base.seconds + seconds
+        # every design from one teacher-forced pass over prompt + answer
+        with torch.no_grad():
+            states = model(out, output_hidden_states=True).hidden_states  # L + 1 of (1, p + n, H)
+        for key, head in heads.items():
+            hits = (first_drafts(head, adapter, states, p, answer.numel())[1:] == answer[1:]).sum()
+            t = replays[key]
+            t.add_agreement(prompt.category, int(hits), answer.numel() - 1)
+            steps = replay(head, adapter, states, answer, p, cfg.max_draft_tokens, cfg.max_new_tokens)
+            t.steps, t.tokens = t.steps + steps, t.tokens + answer.numel()
+        # the measured settings, in an order that rotates per prompt
+        for j in range(len(measure)):
+            name, e = measure[(i + j) % len(measure)]
+            path = cfg.designs[name]
+            # the design itself: K drafts every step, whatever a calibrated config next to the heads says
+            setting = dict(exit_layer=e, max_draft_tokens=cfg.max_draft_tokens, drafter="early_exit",
+                           draft_confidence_threshold=0.0)
+            selfspec.wrap(model, path, **setting) if path else selfspec.wrap(model, **setting)
+            try:
+                got, seconds = timed(lambda: model.generate(ids, **gen), model.device)
+                stats = model.selfspec.last_stats
+            finally:
+                selfspec.unwrap(model)
+            t = runs[(name, e)]
+            t.tokens, t.steps, t.seconds = t.tokens + stats.new_tokens, t.steps + stats.verify_steps, t.seconds + seconds
+            if not torch.equal(got, out):
+                t.exact = False
+                tqdm.write(f"MISMATCH: {name} E={e} differs from plain generate on question {prompt.question_id}")
+
+    write_report(cfg, prompts, replays, runs, {"machine": machine_info(torch.device("cpu")), "versions": versions(),
+                                               "eos_ids": sorted(eos)})
+    return 0 if all(t.exact for t in runs.values()) else 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def write_report(cfg, prompts, replays, runs, meta) -> None:
+    base = runs[("hf-greedy", 0)]
+    base_tps = base.tokens / base.seconds
+    lines = [f"# Exit-head designs on the eval split ({len(prompts)} prompts, greedy, {cfg.max_new_tokens} new tokens, "
+             f"K = {cfg.max_draft_tokens})", "",
+             f"Plain `model.generate`: {base_tps:.2f} tok/s (the 1.00x of the measured rows).", "",
+             "| design | exit | agreement | mean accepted (replay) | mean accepted (measured) | tok/s | vs generate "
+             "| exact |", "|---|---|---|---|---|---|---|---|"]
+    for (name, e), t in sorted(replays.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        run = runs.get((name, e))
+        measured = ("| {:.2f} | {:.2f} | {:.2f}x | {} |".format(run.mat, run.tokens / run.seconds,
+                                                                 run.tokens / run.seconds / base_tps,
+                                                                 "yes" if run.exact else "**NO**")
+                    if run else "| | | | |")
+        lines.append(f"| {name} | {e} | {t.agreement:.1%} | {t.mat:.2f} {measured}")
+    categories = sorted({p.category for p in prompts})
+    lines += ["", "Agreement per category:", "", "| design | exit | " + " | ".join(categories) + " |",
+              "|---|---|" + "---|" * len(categories)]
+    for (name, e), t in sorted(replays.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        cells = [f"{t.by_category[c][0] / max(1, t.by_category[c][1]):.1%}" for c in categories]
+        lines.append(f"| {name} | {e} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(cfg.output, exist_ok=True)
+    with open(os.path.join(cfg.output, "results.md"), "w") as fh:
+        fh.write(text)
+    record = {"config": asdict(cfg), "meta": meta, "baseline_tok_s": base_tps,
+              "replay": [{"design": n, "exit": e, "agreement": t.agreement, "mean_accepted_replay": t.mat,
+                          "by_category": t.by_category} for (n, e), t in replays.items()],
+              "measured": [{"design": n, "exit": e, "mean_accepted": t.mat, "tok_s": t.tokens / max(t.seconds, 1e-9),
+                            "exact": t.exact} for (n, e), t in runs.items()]}
+    with open(os.path.join(cfg.output, "results.json"), "w") as fh:
+        json.dump(record, fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""Train early-exit heads by self-distillation on data from `train.collect`. Reads top to bottom.
+
+    python -m train.train_heads --config configs/smollm2-135m.yaml
+    python -m train.train_heads --config configs/smollm2-135m.yaml --device cuda --dtype bfloat16
+    selfspec train-heads --config configs/smollm2-135m.yaml
+
+The teacher is the full model itself: its next-token distribution lm_head(hidden.final) at every stored
+position. One head per exit layer is trained from the same pass over the cached hidden states; the base model
+stays frozen (the shared cache depends on it). Output: `model.selfspec.save_pretrained(out_dir)`, loadable
+with `selfspec.wrap(model, out_dir)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config: defaults here, the YAML's `train:` section overrides them, then the command line
+@dataclass
+class TrainConfig:
+    model: str | None = None  # name or path for selfspec.models.resolve_model; None = smollm2-135m
+    data_dir: str = "data_cache/smollm2-135m"  # shards + manifest.json written by train.collect
+    out_dir: str = "runs/smollm2-135m-heads"  # checkpoints and the final save_pretrained directory
+    exit_layers: list = field(default_factory=lambda: [4, 6, 8, 12])  # one head each, all from one data pass
+    head: str = "mlp"  # "mlp": residual MLP adapter; "attn": a copied decoder layer with its own KV cache
+    rank: int = 1152  # hidden width of the MLP adapter
+    context: str = "early"  # attn only: what verified positions look like to the head, "early" or "top" states
+    source_layer: int | None = None  # attn only: the layer copied to start from; None = the exit layer itself
+    seq_batch: int = 8  # attn only: whole sequences per step (it attends over them)
+    round_len_max: int = 5  # attn "top" only: draft rounds of 1..this many tokens are sampled while training
+    draft_vocab_size: int = 8192  # the head scores only this many most frequent tokens; 0 = full vocabulary
+    steps: int = 800  # optimizer steps
+    batch_size: int = 256  # rows (positions) per step and head
+    lr: float = 2e-3  # AdamW peak learning rate (cosine decay after warm-up)
+    warmup: int = 40  # linear warm-up steps
+    weight_decay: float = 0.0
+    ce_weight: float = 0.3  # weight of cross-entropy on the teacher's top-1 next to the KL term
+    holdout_fraction: float = 0.1  # sequences kept out of training to measure agreement
+    eval_every: int = 200  # steps between held-out agreement measurements
+    checkpoint_every: int = 200  # steps between resumable checkpoints
+    default_exit_layer: int | None = None  # exit layer written as the config's default; None = best agreement
+    max_draft_tokens: int = 4  # written into the saved config (calibrate refines it)
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"  # head training dtype: float32 on CPU, bfloat16 on a GPU
+    save_dtype: str = "bfloat16"  # dtype of the saved head weights (bf16 halves the checkpoint; loading upcasts)
+    threads: int | None = None  # torch intra-op threads on CPU
+
+
+# `selfspec train-heads --help` text of each TrainConfig field (its comment above, for the command line)
+OPTION_HELP = {
+    "model": "model name or path (default: smollm2-135m)",
+    "data_dir": "directory with the shards and manifest.json written by train.collect",
+    "out_dir": "where checkpoints and the final heads (save_pretrained) go",
+    "exit_layers": "comma-separated exit layers, one head each, all trained from one data pass (e.g. 4,6,8,12)",
+    "head": "head design: mlp (residual MLP adapter) or attn (a copied decoder layer with its own KV cache)",
+    "rank": "hidden width of the MLP adapter",
+    "context": "attn only: what verified positions look like to the head, early (layer-E) or top (final) states",
+    "source_layer": "attn only: the decoder layer copied to start from (default: the exit layer itself)",
+    "seq_batch": "attn only: whole sequences per step",
+    "round_len_max": "attn with context top only: draft rounds of 1..this many tokens are sampled in training",
+    "draft_vocab_size": "the head scores only this many most frequent tokens; 0 = the full vocabulary",
+    "steps": "optimizer steps",
+    "batch_size": "rows (positions) per step and head",
+    "lr": "AdamW peak learning rate (cosine decay after warm-up)",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "ce_weight": "weight of cross-entropy on the teacher's top-1 next to the KL term",
+    "holdout_fraction": "fraction of sequences kept out of training to measure agreement",
+    "eval_every": "steps between held-out agreement measurements",
+    "checkpoint_every": "steps between resumable checkpoints",
+    "default_exit_layer": "exit layer written as the saved config's default (default: the best agreement)",
+    "max_draft_tokens": "draft length K written into the saved config (selfspec calibrate refines it)",
+    "seed": "random seed",
+    "device": "cpu, cuda, cuda:1, ...",
+    "dtype": "head training dtype: float32 on CPU, bfloat16 on a GPU",
+    "save_dtype": "dtype of the saved head weights (bfloat16 halves the file; loading upcasts)",
+    "threads": "torch intra-op threads on CPU",
+}
+
+
+def load_config(argv) -> TrainConfig:
+    p = argparse.ArgumentParser(
+        prog="selfspec train-heads", description=__doc__.split("\n\n")[0],
+        epilog="Each option overrides the same key of the --config YAML's train: section; options left out keep "
+               "the YAML's value, else the TrainConfig default in selfspec/training/train_heads.py.")
+    p.add_argument("--config", help="YAML file with a `train:` section (see configs/smollm2-135m.yaml)")
+    for f in TrainConfig.__dataclass_fields__.values():
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=OPTION_HELP.get(f.name, "see TrainConfig"),
+                       type=(lambda s: [int(x) for x in s.split(",")]) if f.name == "exit_layers" else str)
+    args = p.parse_args(argv)
+    values = {}
+    if args.config:
+        with open(args.config) as fh:
+            data = yaml.safe_load(fh) or {}
+        values.update(data.get("train") or {})
+        values.setdefault("model", (data.get("model") or {}).get("name_or_path"))
+        values.setdefault("data_dir", (data.get("collect") or {}).get("cache_dir", TrainConfig.data_dir))
+    for name, f in TrainConfig.__dataclass_fields__.items():
+        given = getattr(args, name)
+        if given is not None:
+            values[name] = given
+    cfg = TrainConfig(**{k: v for k, v in values.items() if k in TrainConfig.__dataclass_fields__})
+    if isinstance(cfg.source_layer, str):
+        cfg.source_layer = None if cfg.source_layer.lower() in ("none", "null", "") else int(cfg.source_layer)
+    for name in ("rank", "draft_vocab_size", "steps", "batch_size", "warmup", "eval_every", "checkpoint_every",
+                 "seed", "max_draft_tokens", "seq_batch", "round_len_max"):
+        setattr(cfg, name, int(getattr(cfg, name)))
+    for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction"):
+        setattr(cfg, name, float(getattr(cfg, name)))
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data: rows whose target is a response token; whole sequences held out for evaluation
+def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int):
+    manifest = json.load(open(os.path.join(data_dir, "manifest.json")))
+    missing = [e for e in exit_layers if e not in manifest["exit_layers"]]
+    if missing:
+        raise ValueError(f"exit layers {missing} were not collected (have {manifest['exit_layers']}); "
+                         "add them to collect.exit_layers and rerun train.collect.")
+    shards = sorted(f for f in os.listdir(data_dir) if f.endswith(".safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"No shards in {data_dir!r}: run python -m train.collect first.")
+    keys = [f"hidden.{e}" for e in exit_layers] + ["hidden.final", "target_ids", "teacher_top1"]
+    parts = {k: [] for k in keys + ["seq"]}
+    seq_base = 0
+    for name in shards:
+        shard = load_file(os.path.join(data_dir, name))
+        offsets = shard["seq_offsets"]
+        seq_of_row = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
+        first_response_row = shard["seq_prompt_len"][seq_of_row] - 1  # the last prompt row predicts the answer
+        keep = shard["positions"] >= first_response_row
+        for k in keys:
+            parts[k].append(shard[k][keep])
+        parts["seq"].append(seq_of_row[keep] + seq_base)
+        seq_base += len(offsets) - 1
+    data = {k: torch.cat(v) for k, v in parts.items()}
+    is_held = torch.isin(data["seq"], held_out_sequences(seq_base, holdout_fraction, seed))
+    return ({k: v[~is_held] for k, v in data.items()}, {k: v[is_held] for k, v in data.items()}, manifest)
+
+
+def held_out_sequences(n_seqs: int, fraction: float, seed: int) -> torch.Tensor:
+    """Indices of the sequences kept out of training (at least one), the same for row and sequence loading."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n_seqs, generator=g)[: max(1, int(n_seqs * fraction))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def distill_loss(head, hidden, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
+    """KL(teacher || head) over the draft vocabulary plus CE on the teacher's top-1 where it is in it.
+    hidden, final: (N, H) layer-E and final-normed states; top1: (N,) teacher argmax over the full vocabulary."""
+    return distill_terms(head(hidden, adapter), final, top1, adapter, vocab_ids, vocab_index, ce_weight)
+
+
+def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
+    """The loss from the head's (N, V_d) logits; the teacher's from final-normed states (N, H)."""
+    with torch.no_grad():
+        teacher = torch.log_softmax(adapter.logits(final, vocab_ids).float(), dim=-1)  # (N, V_d)
+    student = torch.log_softmax(head_logits.float(), dim=-1)
+    kl = torch.sum(teacher.exp() * (teacher - student), dim=-1).mean()
+    target = vocab_index[top1]  # position of the teacher's top-1 in the draft vocabulary, -1 if absent
+    ce = torch.nn.functional.nll_loss(student, target.clamp(min=0), reduction="none")[target >= 0].mean()
+    return kl + ce_weight * ce
+
+
+@torch.no_grad()
+def agreement(head, rows, key, adapter, chunk=4096) -> float:
+    """Fraction of held-out positions where the head's argmax equals the full model's argmax."""
+    hits = 0
+    for i in range(0, len(rows["teacher_top1"]), chunk):
+        h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
+        pred = head(h, adapter).argmax(-1)
+        ids = head.token_ids(pred)
+        hits += int((ids.cpu() == rows["teacher_top1"][i : i + chunk].long()).sum())
+    return hits / max(1, len(rows["teacher_top1"]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention heads read whole sequences: the 32 stored prompt positions as context, loss on the answer rows
+def load_sequences(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int):
+    """(train, held) lists of per-sequence dicts of (T, ...) tensors, split by the same seed as load_rows."""
+    keys = [f"hidden.{e}" for e in exit_layers] + ["hidden.final", "teacher_top1"]
+    seqs = []
+    for name in sorted(f for f in os.listdir(data_dir) if f.endswith(".safetensors")):
+        shard = load_file(os.path.join(data_dir, name))
+        offsets = shard["seq_offsets"].tolist()
+        for i in range(len(offsets) - 1):
+            rows = slice(offsets[i], offsets[i + 1])
+            seq = {k: shard[k][rows] for k in keys}
+            seq["loss"] = shard["positions"][rows] >= shard["seq_prompt_len"][i] - 1  # rows predicting the answer
+            seqs.append(seq)
+    held = set(held_out_sequences(len(seqs), holdout_fraction, seed).tolist())
+    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
+
+
+def pad_batch(seqs: list[dict], key: str, device, dtype):
+    """Right-pad one key of several sequences: (B, T, ...) and lengths (B,)."""
+    lengths = torch.tensor([len(s[key]) for s in seqs])
+    out = torch.zeros(len(seqs), int(lengths.max()), *seqs[0][key].shape[1:], dtype=seqs[0][key].dtype)
+    for b, s in enumerate(seqs):
+        out[b, : len(s[key])] = s[key]
+    return out.to(device, dtype if out.is_floating_point() else None), lengths.to(device)
+
+
+def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0):
+    """Head logits and teacher data at the answer rows of a batch of sequences: (N, V_d), (N, H), (N,)."""
+    dtype = head_dtype(head)
+    early, lengths = pad_batch(seqs, f"hidden.{head.exit_layer}", cfg.device, dtype)
+    final, _ = pad_batch(seqs, "hidden.final", cfg.device, dtype)
+    loss_rows, _ = pad_batch(seqs, "loss", cfg.device, None)
+    top1, _ = pad_batch(seqs, "teacher_top1", cfg.device, None)
+    logits = head.teacher_forced(early, final, adapter, lengths, round_len, offset)
+    rows = loss_rows.bool()
+    return logits[rows], final[rows], top1[rows].long()
+
+
+@torch.no_grad()
+def attention_agreement(head, seqs, adapter, cfg, round_len=1) -> float:
+    hits = total = 0
+    for i in range(0, len(seqs), cfg.seq_batch):
+        logits, _, top1 = attention_step(head, seqs[i : i + cfg.seq_batch], adapter, cfg, round_len)
+        pred = logits.argmax(-1)
+        ids = head.token_ids(pred)
+        hits, total = hits + int((ids == top1).sum()), total + len(top1)
+    return hits / max(1, total)
+
+
+def head_device(head):
+    return next(iter(head.parameters()), torch.empty(0)).device if list(head.parameters()) else torch.device("cpu")
+
+
+def head_dtype(head):
+    params = list(head.parameters())
+    return params[0].dtype if params else torch.float32
+
+
+def refuse_tensor_parallel(model=None) -> None:
+    """Heads train in one process on hidden states cached by train.collect; a torchrun job (or a model whose
+    weights are sharded DTensors) would train one copy per rank and race on out_dir."""
+    from selfspec.distributed import is_tensor_parallel
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or (model is not None and is_tensor_parallel(model)):
+        raise SystemExit("train.train_heads runs in one process, not under torchrun or on a tensor-parallel model: "
+                         "run it without torchrun (heads train on cached hidden states), then load the heads on "
+                         "every rank with selfspec.wrap(model, out_dir).")
+
+
+def main(argv=None) -> int:
+    cfg = load_config(argv)
+    refuse_tensor_parallel()
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.dtype)
+
+    import selfspec
+    from selfspec.heads import AttentionHead, ExitHead, MLPHead, frequent_token_ids
+    from selfspec.models import resolve_model
+    from selfspec.tools.measure import eos_ids_of
+    from tqdm import tqdm
+
+    # the frozen base model, reached through its adapter (final norm + LM head shared with the heads)
+    model, tok = resolve_model(cfg.model or "smollm2-135m", dtype=dtype, device=cfg.device)
+    refuse_tensor_parallel(model)
+    model.requires_grad_(False)
+    selfspec.wrap(model, exit_layer=cfg.exit_layers[0])
+    adapter = model.selfspec.adapter
+
+    train_rows, held_rows, manifest = load_rows(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
+    n = len(train_rows["target_ids"])
+    print(f"{n} training rows, {len(held_rows['target_ids'])} held-out rows, exit layers {cfg.exit_layers}")
+
+    # draft vocabulary: the most frequent response tokens of the training data, plus the stop tokens
+    vocab_ids = None
+    if cfg.draft_vocab_size:
+        stops = eos_ids_of(model, tok)
+        vocab_ids = frequent_token_ids(train_rows["target_ids"], cfg.draft_vocab_size, stops).to(cfg.device)
+        covered = torch.isin(held_rows["teacher_top1"].long(), vocab_ids.cpu()).float().mean()
+        print(f"draft vocabulary {len(vocab_ids)} tokens covers {covered:.1%} of held-out teacher top-1")
+    # resuming: the draft vocabulary is the one the checkpoint was trained with (the data may have grown since)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+    state = torch.load(ckpt, map_location=cfg.device, weights_only=False) if os.path.isfile(ckpt) else None
+    if state is not None and vocab_ids is not None:
+        vocab_ids = next(iter(state["heads"].values()))["vocab_ids"].to(cfg.device)
+    vocab_index = torch.full((adapter.vocab_size,), -1, dtype=torch.long, device=cfg.device)
+    if vocab_ids is not None:
+        vocab_index[vocab_ids] = torch.arange(len(vocab_ids), device=cfg.device)
+    else:
+        vocab_index = torch.arange(adapter.vocab_size, device=cfg.device)
+
+    if cfg.head == "attn":  # a copy of the exit layer (or source_layer) with its own KV cache
+        heads = {e: AttentionHead.from_model(adapter, e, cfg.source_layer, cfg.context, vocab_ids).to(cfg.device, dtype)
+                 for e in cfg.exit_layers}
+        train_seqs, held_seqs = load_sequences(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
+        measure = lambda e, h: attention_agreement(h, held_seqs, adapter, cfg)  # noqa: E731
+    elif cfg.head == "mlp":
+        heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids).to(cfg.device, dtype)
+                 for e in cfg.exit_layers}
+        measure = lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter)  # noqa: E731
+    else:
+        raise ValueError(f"train.head must be 'mlp' or 'attn', got {cfg.head!r}.")
+    baseline = {e: agreement(ExitHead(e, vocab_ids), held_rows, f"hidden.{e}", adapter) for e in cfg.exit_layers}
+    print("untrained exit agreement:", {e: round(a, 4) for e, a in baseline.items()})
+    params = [p for h in heads.values() for p in h.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    # resume from the last checkpoint, if any
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    start = 0
+    if state is not None:
+        for e, h in heads.items():
+            h.load_state_dict(state["heads"][e])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        print(f"resumed at step {start}")
+
+    g = torch.Generator().manual_seed(cfg.seed + start)
+    history = []
+    bar = tqdm(range(start, cfg.steps), desc="train-heads", initial=start, total=cfg.steps)
+    t0 = time.time()
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        if cfg.head == "attn":  # whole sequences; "top" heads see draft rounds of a random length and phase
+            batch = [train_seqs[i] for i in torch.randint(0, len(train_seqs), (cfg.seq_batch,), generator=g)]
+            round_len = int(torch.randint(1, cfg.round_len_max + 1, (1,), generator=g))
+            offset = int(torch.randint(0, round_len, (1,), generator=g))
+            loss = sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset), adapter, vocab_ids,
+                                     vocab_index, cfg.ce_weight) for h in heads.values())
+        else:  # independent rows
+            idx = torch.randint(0, n, (cfg.batch_size,), generator=g)
+            final = train_rows["hidden.final"][idx].to(cfg.device, dtype)
+            top1 = train_rows["teacher_top1"][idx].long().to(cfg.device)
+            loss = sum(distill_loss(h, train_rows[f"hidden.{e}"][idx].to(cfg.device, dtype), final, top1, adapter,
+                                    vocab_ids, vocab_index, cfg.ce_weight) for e, h in heads.items())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item() / len(heads):.3f}")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            agree = {e: round(measure(e, h), 4) for e, h in heads.items()}
+            history.append({"step": step + 1, "loss": loss.item() / len(heads), "agreement": agree})
+            tqdm.write(f"step {step + 1}: held-out top-1 agreement {agree}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            torch.save({"heads": {e: h.state_dict() for e, h in heads.items()}, "opt": opt.state_dict(),
+                        "step": step + 1}, ckpt)
+
+    # the result: heads + config through save_pretrained (safetensors + JSON), bf16 keeps it small
+    final_agree = {e: measure(e, h) for e, h in heads.items()}
+    best = cfg.default_exit_layer or max(final_agree, key=final_agree.get)
+    model.selfspec.config = model.selfspec.config.replace(
+        exit_layer=best, max_draft_tokens=cfg.max_draft_tokens,
+        metadata={"trained_with": asdict(cfg), "untrained_agreement": baseline, "agreement": final_agree,
+                  "history": history, "train_seconds": time.time() - t0,
+                  "data": {"rows": n, "manifest_settings_hash": manifest.get("settings_hash")}})
+    for e, h in heads.items():
+        model.selfspec.heads[e] = h.to(getattr(torch, cfg.save_dtype)).eval()
+    model.selfspec.save_pretrained(cfg.out_dir)
+    print(f"saved heads {sorted(heads)} to {cfg.out_dir}; default exit layer {best}; "
+          f"agreement {json.dumps({e: round(a, 4) for e, a in final_agree.items()})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
