@@ -15,7 +15,7 @@ import torch
 from .cache import SlotTable, SpecCache
 from .distributed import agree_across_ranks
 from .drafters.base import Draft, Drafter
-from .forward import StepContext, forward_early, forward_remainder
+from .forward import StepContext, forward_early, forward_prompt, forward_remainder
 from .processing import PrefixProcessor
 from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling
 
@@ -148,10 +148,8 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
     ids, mask = state.seq[:, : state.prompt_len], state.mask
     if mask is None:
         mask = torch.ones_like(ids)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    state.ctx.slots.has_holes = state.batch > 1 or bool((mask == 0).any())
     state.ctx.cache.reserve(state.capacity)
-    early = forward_early(state.ctx, ids, positions, exit_layer, positions.masked_fill(mask == 0, -1))
+    early, positions = forward_prompt(state.ctx, ids, mask, exit_layer)
     out = forward_remainder(state.ctx, early.hidden, positions, exit_layer)
     state.pos = mask.long().sum(-1)  # position of the first generated token
     state.prompt_positions, state.prefill_exit_layer = positions, exit_layer

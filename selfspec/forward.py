@@ -74,6 +74,17 @@ def forward_early(ctx: StepContext, input_ids, positions, exit_layer: int, slot_
     return EarlyResult(run_layers(ctx, hidden, positions, 0, exit_layer, slot_positions))
 
 
+def forward_prompt(ctx: StepContext, input_ids, attention_mask, layers: int) -> tuple[EarlyResult, torch.Tensor]:
+    """Run a left-padded (B, T) prompt through layers [0, layers): each row's positions count its real tokens from
+    0, and its padding enters the slot table as holes (slot position -1) that no token attends to. The one
+    statement of how a prompt enters a cache (the verifier's prefill, a draft model's). Returns the layer output
+    and the (B, T) positions."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    ctx.slots.has_holes = input_ids.shape[0] > 1 or bool((mask == 0).any())
+    return forward_early(ctx, input_ids, positions, layers, positions.masked_fill(mask == 0, -1)), positions
+
+
 def forward_remainder(ctx: StepContext, hidden, positions, exit_layer: int) -> RemainderResult:
     """Run layers [exit_layer, L) on layer-E states (B, T, H), then the final norm."""
     hidden = run_layers(ctx, hidden, positions, exit_layer, ctx.adapter.num_layers)

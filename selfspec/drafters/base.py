@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import logits_to_probs, sample
+
 
 @dataclass
 class Draft:
@@ -50,3 +52,19 @@ class Drafter:
 
     def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
         """Called after verification and rollback; n (B,) drafts accepted per row."""
+
+
+def choose_draft(state, logits: torch.Tensor, column: int, threshold: float | None = None):
+    """The draft step of every drafter that scores the vocabulary: a drafter's raw (B, V) logits for draft column
+    `column` go through the loop's logits processors (the prefix they read ends with the drafts of the earlier
+    columns), then each row takes a sample of the processed distribution when sampling, else its argmax.
+
+    Returns (token (B,), probs, confident): probs (B, V) is the processed distribution (the q of rejection
+    sampling), computed when sampling or when a confidence `threshold` is given, else None; confident (B,) says
+    whether each row's top probability reaches `threshold` (all True without one)."""
+    logits = state.process(logits[:, None], offset=column)[:, 0]
+    probs = logits_to_probs(logits) if (state.do_sample or threshold is not None) else None
+    token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
+    if threshold is None:
+        return token, probs, torch.ones_like(token, dtype=torch.bool)
+    return token, probs, probs.max(dim=-1).values >= threshold

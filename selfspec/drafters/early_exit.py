@@ -6,8 +6,7 @@ import torch
 from ..cache import SpecCache
 from ..forward import forward_early, run_module
 from ..heads import ExitHead
-from ..sampling import logits_to_probs, sample
-from .base import Draft, Drafter
+from .base import Draft, Drafter, choose_draft
 
 
 class EarlyExitDrafter(Drafter):
@@ -42,6 +41,13 @@ class EarlyExitDrafter(Drafter):
         full = sub.new_full((sub.shape[0], state.vocab_size), float("-inf"))
         return full.index_copy_(1, self.head.vocab_ids.to(sub.device), sub)
 
+    def run(self, state, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) inputs at (B, T) positions through layers [0, E) (into the shared cache), then the head: their
+        (B, T, H) layer-E states and the (B, V) draft logits for the token after the last one. The hybrid drafter
+        runs its head drafts through this too."""
+        hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
+        return hidden, self.head_logits(state, hidden, positions)
+
     def propose(self, state, k: int) -> Draft:
         if k == 0:
             return Draft.empty(state.batch, state.device)
@@ -50,13 +56,9 @@ class EarlyExitDrafter(Drafter):
         draft_len = torch.zeros_like(state.pending)
         hiddens, tokens, qs = [], [], []
         for j in range(k):
-            positions = state.pos[:, None] + j
-            h = forward_early(state.ctx, x[:, None], positions, self.exit_layer).hidden
+            h, logits = self.run(state, x[:, None], state.pos[:, None] + j)
             hiddens.append(h)
-            logits = state.process(self.head_logits(state, h, positions)[:, None], offset=j)[:, 0]  # (B, V)
-            probs = logits_to_probs(logits)
-            token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
-            confident = probs.max(dim=-1).values >= self.threshold
+            token, probs, confident = choose_draft(state, logits, j, self.threshold)
             take = active & confident
             draft_len += take.long()
             active = take & ~state.is_eos(token)  # nothing is drafted after an EOS

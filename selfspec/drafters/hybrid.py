@@ -29,9 +29,7 @@ from collections import Counter
 
 import torch
 
-from ..forward import forward_early
-from ..sampling import logits_to_probs, sample
-from .base import Draft, Drafter
+from .base import Draft, Drafter, choose_draft
 from .early_exit import EarlyExitDrafter
 from .ngram import NgramDrafter, write_drafts
 
@@ -93,14 +91,12 @@ class HybridDrafter(Drafter):
             end = int(draft_len.masked_fill(~extending, k).min()) + 1
             inputs = torch.cat([state.pending[:, None], tokens], dim=1)[:, fed:end]
             positions = state.pos[:, None] + torch.arange(fed, end, device=state.device)[None, :]
-            h = forward_early(state.ctx, inputs, positions, self.early.exit_layer).hidden  # (B, end - fed, H)
+            h, logits = self.early.run(state, inputs, positions)  # (B, end - fed, H), (B, V)
             hiddens.append(h)
             fed, col = end, end - 1
             proposing = extending & (draft_len == col)
-            logits = state.process(self.early.head_logits(state, h, positions)[:, None], offset=col)[:, 0]  # (B, V)
-            probs = logits_to_probs(logits)
-            token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
-            take = proposing & (probs.max(dim=-1).values >= self.early.threshold)
+            token, probs, confident = choose_draft(state, logits, col, self.early.threshold)
+            take = proposing & confident
             tokens[:, col] = torch.where(take, token, tokens[:, col])
             state.write_draft(col, tokens[:, col])
             if state.do_sample:

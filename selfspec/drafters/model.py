@@ -24,9 +24,8 @@ import torch
 
 from ..arch import adapter_for
 from ..cache import SlotTable, SpecCache
-from ..forward import StepContext, forward_early
-from ..sampling import logits_to_probs, sample
-from .base import Draft, Drafter
+from ..forward import StepContext, forward_early, forward_prompt
+from .base import Draft, Drafter, choose_draft
 
 
 def _rows(model) -> dict:
@@ -131,13 +130,16 @@ class DraftModelDrafter(Drafter):
         self.step: _Step | None = None
 
     # --- the draft model's own forward ----------------------------------------------------------------------
+    def _embeddable(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids on the draft model's device. An id past its rows (the target chose one of its own padding
+        rows) cannot be embedded; any valid id stands in for it: only the draft's guesses get worse, never the
+        output."""
+        return ids.masked_fill(ids >= self.embed_rows, 0).to(self.device)
+
     def _run(self, ids, positions, slot_positions=None) -> torch.Tensor:
         """All layers of the draft model on (B, T) tokens -> (B, T, V) float32 logits on the target's device."""
         dev = self.device
-        # an id past the draft model's rows (the target chose one of its own padding rows) cannot be embedded; any
-        # valid id stands in for it: only the draft's guesses get worse, never the output
-        ids = ids.masked_fill(ids >= self.embed_rows, 0)
-        hidden = forward_early(self.ctx, ids.to(dev), positions.to(dev), self.adapter.num_layers,
+        hidden = forward_early(self.ctx, self._embeddable(ids), positions.to(dev), self.adapter.num_layers,
                                None if slot_positions is None else slot_positions.to(dev)).hidden
         logits = self.adapter.logits(self.adapter.final_norm(hidden[:, -1:])).float().to(ids.device)
         return _fit_vocab(logits, self.vocab)
@@ -145,11 +147,9 @@ class DraftModelDrafter(Drafter):
     def begin(self, state) -> None:
         self.vocab = state.vocab_size
         self.ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers), SlotTable(state.batch, self.device))
-        ids = state.seq[:, : state.prompt_len]
-        mask = state.mask if state.mask is not None else torch.ones_like(ids)
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        self.ctx.slots.has_holes = state.batch > 1 or bool((mask == 0).any())
-        self._run(ids, positions, positions.masked_fill(mask == 0, -1))
+        mask = None if state.mask is None else state.mask.to(self.device)
+        # the prompt enters the draft cache as it enters the verifier's: same positions, padding as holes
+        forward_prompt(self.ctx, self._embeddable(state.seq[:, : state.prompt_len]), mask, self.adapter.num_layers)
         self.fed = torch.full_like(state.seq_len, state.prompt_len)
         self.step = None
 
@@ -177,9 +177,7 @@ class DraftModelDrafter(Drafter):
         tokens, qs = [], []
         fed_drafts = 0
         for j in range(k):
-            logits = state.process(logits[:, None], offset=j)[:, 0]  # (B, V)
-            probs = logits_to_probs(logits) if state.do_sample else None
-            token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
+            token, probs, _ = choose_draft(state, logits, j)
             draft_len += active.long()
             active = active & ~state.is_eos(token)  # nothing is drafted after an EOS
             tokens.append(token)

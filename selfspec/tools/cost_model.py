@@ -22,7 +22,7 @@ import torch
 
 from ..cache import SlotTable, SpecCache
 from ..drafters.early_exit import EarlyExitDrafter
-from ..forward import StepContext, forward_early
+from ..forward import StepContext, forward_early, forward_prompt
 from ..heads import teacher_forced_logits
 from .measure import fastest
 from .replay import accepted_drafts, replay_greedy
@@ -117,8 +117,7 @@ class Timings:
 def _prefilled_context(adapter, prompt: torch.Tensor) -> StepContext:
     """A fresh shared cache holding `prompt` (1, P) in every layer, as after the engine's prefill."""
     ctx = StepContext(adapter, SpecCache(adapter.num_layers), SlotTable(1, prompt.device))
-    positions = torch.arange(prompt.shape[1], device=prompt.device)[None, :]
-    forward_early(ctx, prompt, positions, adapter.num_layers)
+    forward_prompt(ctx, prompt, None, adapter.num_layers)  # the engine's own prefill of the layers
     return ctx
 
 
