@@ -76,3 +76,17 @@ def chat_input_ids(tokenizer, text: str):
                                             return_tensors="pt", return_dict=True)["input_ids"]
         return ids
     return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+def left_pad(rows: list[list[int]], pad_id: int):
+    """Token lists -> (B, T) ids left-padded with pad_id and their (B, T) attention mask, as a batched `generate`
+    takes prompts of different lengths."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[b, width - len(row):] = 1
+    return ids, mask

@@ -88,7 +88,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from selfspec.prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES  # the Spec-Bench split, defined once
+from selfspec.prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, left_pad  # the Spec-Bench split, defined once
+from selfspec.tools.measure import eos_ids_of
 
 FORMAT_VERSION = 2
 
@@ -252,14 +253,6 @@ def shard_seed(seed: int, name: str) -> int:
 # generation and teacher forcing
 
 
-def _eos_ids(model, tok) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
-    return ids
-
-
 class _Capture:
     """Forward hooks that keep, during ``generate``, what a teacher-forced pass would give:
     the input of each exit layer, the output of the final norm (both per forward call) and
@@ -316,11 +309,7 @@ def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int) -> tuple[lis
     pad = tok.pad_token_id
     width = max(len(j.prompt_ids) for j in jobs)
     keep = min(keep, width)
-    ids = torch.full((len(jobs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(jobs), width), dtype=torch.long)
-    for r, j in enumerate(jobs):  # left padding
-        ids[r, width - len(j.prompt_ids):] = torch.tensor(j.prompt_ids)
-        mask[r, width - len(j.prompt_ids):] = 1
+    ids, mask = left_pad([j.prompt_ids for j in jobs], pad)
     sampled = jobs[0].sampled
     kw = dict(do_sample=True, temperature=float(c["temperature"]), top_p=float(c["top_p"]), top_k=0) \
         if sampled else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -336,7 +325,7 @@ def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int) -> tuple[lis
     if len(cap.final) != n_steps or len(cap.top1) != n_steps:
         raise RuntimeError(f"expected {n_steps} forward calls during generate, hooks saw {len(cap.final)}")
 
-    eos = _eos_ids(model, tok)
+    eos = set(eos_ids_of(model, tok))
     responses, finished = [], []
     for row in out[:, width:].cpu().tolist():
         cut = next((k for k, t in enumerate(row) if t in eos), None)
@@ -958,7 +947,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
     tf_hash, op_hash = digest(_TF_HASHED), digest(_OP_HASHED)
     shash = hashlib.sha256(f"{tf_hash}:{op_hash}".encode()).hexdigest()[:16]
-    eos = _eos_ids(model, tok)
+    eos = set(eos_ids_of(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     _log(f"model {fingerprint['dtype']} on {next(model.parameters()).device}, {torch.get_num_threads()} thread(s); "
          f"settings {tf_hash} (teacher-forced) / {op_hash} (on-policy); cache {cache}")

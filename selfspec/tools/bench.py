@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..config import SelfSpecConfig
-from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, load_prompts
+from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, left_pad, load_prompts
 from .measure import eos_ids_of, loadavg, machine_info, timed, versions
 from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge
 
@@ -84,17 +84,6 @@ class Workload:
     batches: list[Batch]  # measured, in category order
     warmup: Batch  # run once through every method, not recorded
     tune: list[Batch]  # where hf-early-exit's exit layer is chosen (train split: never the measured prompts)
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (B, T) ids left-padded with pad_id and their (B, T) attention mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[b, width - len(row):] = 1
-    return ids, mask
 
 
 def encode(tokenizer, prompt: Prompt, chat_template: bool) -> list[int]:
