@@ -1,4 +1,4 @@
-"""Verdicts for half-precision divergences (selfspec/verdict.py): a genuine near-tie of SmolLM2 in bfloat16 is
+"""Verdicts for half-precision divergences (selfspec/tools/verdict.py): a genuine near-tie of SmolLM2 in bfloat16 is
 called near-tie, and a planted verification bug in the same bfloat16 run is called differs."""
 from __future__ import annotations
 
