@@ -180,7 +180,7 @@ def model_fingerprint(model, name_or_path) -> dict:
         h.update(str(tuple(p.shape)).encode())
         k = min(4096, flat.numel())
         idx = torch.arange(k) * (flat.numel() - 1) // max(k - 1, 1)
-        h.update(flat[idx].float().numpy().tobytes())
+        h.update(flat[idx.to(flat.device)].float().cpu().numpy().tobytes())
     cfg = model.config
     return {
         "name_or_path": name_or_path or "default (smollm2-135m)",
