@@ -310,6 +310,7 @@ class Harness:
         self.hf_exit_layer = self.base_config.exit_layer
         self.plain_logits = PlainLogits(model, {"pad_token_id": pad_id})
         self.per_drafter = self.base_config.metadata.get("calibration", {}).get("per_drafter", {})
+        self.oracle_k: int | None = None  # set by bound_oracle once the run's methods are known
 
     def row_judge(self, batch: Batch, max_new: int) -> Callable:
         """judge_row(b, got, want) -> Verdict for row b of this batch (its prompt without padding)."""
@@ -326,10 +327,19 @@ class Harness:
         config = self.base_config if trained else SelfSpecConfig(
             exit_layer=self.base_config.exit_layer, max_draft_tokens=self.base_config.max_draft_tokens)
         tuned = dict(self.per_drafter.get(drafter, {})) if (trained or drafter == "ngram") else {}
+        if drafter == "oracle" and self.oracle_k is not None:
+            tuned["max_draft_tokens"] = self.oracle_k
         for fixed, key in ((self.cfg.exit_layer, "exit_layer"), (self.cfg.max_draft_tokens, "max_draft_tokens")):
             if fixed is not None:
                 tuned.pop(key, None)
         return config.replace(**{**tuned, "drafter": drafter})
+
+    def bound_oracle(self, registry: dict, names: list[str]) -> None:
+        """The oracle drafts at the longest K of any other engine method in the run, so that it bounds them all
+        (a method drafting up to 7 tokens could otherwise beat an oracle held to 4)."""
+        ks = [self.engine_config(registry[n].drafter, registry[n].trained).max_draft_tokens for n in names
+              if isinstance(registry[n], EngineMethod) and not registry[n].oracle]
+        self.oracle_k = max(ks) if ks else None
 
     def generate_kwargs(self, max_new: int) -> dict:
         kw = dict(max_new_tokens=max_new, pad_token_id=self.pad_id, do_sample=self.cfg.sample)
@@ -502,6 +512,7 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
     start = time.perf_counter()
     names, skipped = select_methods(cfg, registry)
     h = Harness(model, cfg, pad_id, eos_ids)
+    h.bound_oracle(registry, names)
     for name, why in skipped.items():
         _log(f"note: skipping {name}: {why}")
     run_batch(h, registry, names, workload.warmup, cfg.warmup_tokens)
