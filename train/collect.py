@@ -983,8 +983,8 @@ def collect_sharegpt(args, cfg: dict) -> int:
             left = (target - total - st["n_response_tokens"]) / max(new_tokens / new_seconds, 1e-9)
             _log(f"{name}: {st['n_conversations']} conversations, {st['n_seqs']} answers, {st['n_response_tokens']} "
                  f"assistant tokens of {st['n_forward_tokens']} in {st['gen_seconds']:.0f}s "
-                 f"({st['n_response_tokens'] / max(st['gen_seconds'], 1e-9):.0f} assistant tok/s, "
-                 f"{st['n_forward_tokens'] / max(st['gen_seconds'], 1e-9):.0f} forward tok/s); total "
+                 f"({st['n_response_tokens'] / max(st['gen_seconds'], 0.01):.0f} assistant tok/s, "
+                 f"{st['n_forward_tokens'] / max(st['gen_seconds'], 0.01):.0f} forward tok/s); total "
                  f"{total + st['n_response_tokens']} / {target}, about {max(left, 0) / 3600:.1f} h left")
         meta["file"] = shard.name
         metas.append(meta)
@@ -1014,7 +1014,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
             st = meta["stats"]
             bar.update(st["n_response_tokens"])
             _log(f"{name}: {st['n_seqs']} answers, {st['n_response_tokens']} tokens in {st['gen_seconds']:.0f}s "
-                 f"({st['n_response_tokens'] / max(st['gen_seconds'], 1e-9):.1f} tok/s)")
+                 f"({st['n_response_tokens'] / max(st['gen_seconds'], 0.01):.1f} tok/s)")
         meta.update(kind="onpolicy", file=shard.name)
         metas.append(meta)
         write_sharegpt_manifest(cache, sc, fingerprint, shash, data, decon, metas)
@@ -1121,7 +1121,7 @@ def collect_specbench(args, cfg: dict) -> int:
                 new_tokens += st["n_response_tokens"]
                 el = time.perf_counter() - t_start
                 _log(f"{name}: {st['n_seqs']} seqs, {st['n_response_tokens']} resp tokens in "
-                     f"{st['gen_seconds']:.0f}s ({st['n_response_tokens'] / max(st['gen_seconds'], 1e-9):.1f} tok/s); "
+                     f"{st['gen_seconds']:.0f}s ({st['n_response_tokens'] / max(st['gen_seconds'], 0.01):.1f} tok/s); "
                      f"run total {new_tokens} tokens in {el:.0f}s "
                      f"({new_tokens / el:.1f} tok/s)")
             else:
