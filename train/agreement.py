@@ -51,8 +51,10 @@ def shard_stats(model, t: dict, layers: list[int], chunk: int, seq_stride: int =
     last_prompt = t["positions"] == torch.repeat_interleave(t["seq_prompt_len"] - 1, off.diff())
     keep = (t["is_response"].bool() | last_prompt) & (t["target_ids"] >= 0) & (seq_id % seq_stride == 0)
     rows = keep.nonzero().squeeze(1)
-    sampled = t["seq_chain"][seq_id[rows]] > 0
+    chain = t["seq_chain"][seq_id[rows]]  # 0: greedy answer, > 0: sampled, -1: dataset text (teacher-forced)
+    sampled, greedy = chain > 0, chain == 0
     norm, head = model.model.norm, model.get_output_embeddings()
+    dtype = head.weight.dtype  # the model's own dtype: stored states go in as the model computes (bf16 by default)
     teacher = t["teacher_top1"][rows].long()
     n = rows.numel()
     top1 = {e: torch.empty(n, dtype=torch.bool) for e in layers}
@@ -61,9 +63,9 @@ def shard_stats(model, t: dict, layers: list[int], chunk: int, seq_stride: int =
     for s in range(0, n, chunk):
         sl = slice(s, s + chunk)
         r = rows[sl]
-        p = head(t["hidden.final"][r].float()).float().softmax(-1)  # full model, once per chunk
+        p = head(t["hidden.final"][r].to(dtype)).float().softmax(-1)  # full model, once per chunk
         for e in layers:
-            q = head(norm(t[f"hidden.{e}"][r].float())).float()
+            q = head(norm(t[f"hidden.{e}"][r].to(dtype))).float()
             top1[e][sl] = q.argmax(-1) == teacher[sl]
             top5[e][sl] = (q.topk(5, dim=-1).indices == teacher[sl, None]).any(-1)
             acc[e][sl] = torch.minimum(q.softmax(-1), p).sum(-1)
@@ -72,7 +74,7 @@ def shard_stats(model, t: dict, layers: list[int], chunk: int, seq_stride: int =
         # runs are measured over consecutive kept rows of the same sequence
         run = _runs(top1[e], seq_id[rows]).float()
         out[e] = {}
-        for split, m in (("all", torch.ones_like(sampled)), ("greedy", ~sampled), ("sampled", sampled)):
+        for split, m in (("all", torch.ones_like(sampled)), ("greedy", greedy), ("sampled", sampled)):
             out[e][split] = {"n": int(m.sum()), "top1": float(top1[e][m].sum()), "top5": float(top5[e][m].sum()),
                              "accept": float(acc[e][m].sum()), "run": float(run[m].sum())}
     return out
