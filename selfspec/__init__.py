@@ -13,6 +13,7 @@ torch or transformers.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING
@@ -41,6 +42,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
 class _Package(types.ModuleType):
     def __getattr__(self, name):  # only called for names not set yet
         if name not in _LAZY:
+            # `selfspec.arch.adapter_for(...)` after a bare `import selfspec`: submodules load on first use too
+            if not name.startswith("_") and importlib.util.find_spec(f"{self.__name__}.{name}") is not None:
+                return importlib.import_module(f"{self.__name__}.{name}")
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(f"{self.__name__}.{_LAZY[name]}"), name)
         self.__dict__[name] = value

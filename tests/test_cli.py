@@ -372,3 +372,14 @@ def test_from_pretrained_returns_the_model_and_old_unpacking_warns(tiny):
     assert hasattr(legacy, "selfspec") and tok("w1")["input_ids"]
     pair = selfspec.load(tiny, exit_layer=2)
     assert isinstance(pair, tuple) and len(pair) == 2 and hasattr(pair[0], "selfspec")
+
+
+def test_submodules_resolve_after_a_bare_import():
+    """`import selfspec` loads nothing heavy, yet `selfspec.arch.adapter_for` (as eval_heads and users write it)
+    resolves: submodules load on first attribute access."""
+    import subprocess
+    import sys
+
+    code = "import selfspec; f = selfspec.arch.adapter_for; print(f.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "adapter_for", out.stderr[-1000:]
