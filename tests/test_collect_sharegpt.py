@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from train import collect
-from train.train_heads import load_rows, load_sequences
+from selfspec.training import collect
+from selfspec.training.train_heads import load_rows, load_sequences
 
 SYSTEM = "Be brief."
 CHAT_TEMPLATE = (

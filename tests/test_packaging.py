@@ -44,6 +44,7 @@ def test_wheel_installs_selfspec_only_with_its_data(wheel):
     for name in shipped:
         assert f"selfspec/tools/calibrate/search_spaces/{name}" in names
     for module in ("selfspec/training/train_heads.py", "selfspec/training/eval_heads.py",
+                   "selfspec/training/collect.py", "selfspec/training/agreement.py",
                    "selfspec/tools/measure.py", "selfspec/tools/replay.py", "selfspec/assets/spec_bench/question.jsonl"):
         assert module in names
 
@@ -65,13 +66,16 @@ def test_installed_calibrator_finds_its_search_spaces(wheel, tmp_path):
 @pytest.mark.parametrize("old,new", [("selfspec.bench", "selfspec.tools.bench"),
                                      ("selfspec.calibrate", "selfspec.tools.calibrate"),
                                      ("train.train_heads", "selfspec.training.train_heads"),
-                                     ("train.eval_heads", "selfspec.training.eval_heads")])
+                                     ("train.eval_heads", "selfspec.training.eval_heads"),
+                                     ("train.collect", "selfspec.training.collect"),
+                                     ("train.agreement", "selfspec.training.agreement")])
 def test_old_paths_are_the_moved_modules(old, new):
     assert importlib.import_module(old) is importlib.import_module(new)
 
 
 @pytest.mark.parametrize("command", [["-m", "selfspec.bench"], ["-m", "selfspec.calibrate"],
                                      ["-m", "train.train_heads"], ["-m", "train.eval_heads"],
+                                     ["-m", "train.collect"], ["-m", "train.agreement"],
                                      ["train/train_heads.py"]])
 def test_old_commands_run(command):
     out = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
