@@ -414,11 +414,7 @@ def write_manifest(cache: Path, cfg: dict, fingerprint: dict, shash: str, questi
         "format_version": FORMAT_VERSION,
         "settings_hash": shash,
         "model": fingerprint,
-        "exit_layers": [int(e) for e in c["exit_layers"]],
-        "hidden_keys": [f"hidden.{e}" for e in c["exit_layers"]] + ["hidden.final"],
-        "hidden_semantics": "hidden.E = hidden_states[E] = output of layers [0, E) (input of layer E); "
-                            "hidden.final = last layer output after the final norm; "
-                            "teacher logits = lm_head(hidden.final)",
+        **_hidden_fields(c["exit_layers"]),
         "store_dtype": c["store_dtype"],
         "collect": c,
         "seed": c["seed"],
@@ -427,9 +423,37 @@ def write_manifest(cache: Path, cfg: dict, fingerprint: dict, shash: str, questi
         "totals": totals,
         "shards": [{"file": m["file"], "turn": m["turn"], "sampled": m["sampled"], **m["stats"]}
                    for m in shard_metas],
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     "transformers": __import__("transformers").__version__},
+        "versions": _versions(),
     }
+    return _write_manifest(cache, manifest)
+
+
+def load_checked_model(name_or_path, args, exit_layers):
+    """(model, tokenizer, fingerprint), refusing exit layers the model does not have."""
+    model, tok = load_model(name_or_path, dtype=args.dtype, device=args.device)
+    n_layers = model.config.num_hidden_layers
+    bad = [e for e in exit_layers if not 0 < int(e) < n_layers]
+    if bad:
+        raise ValueError(f"exit_layers {bad} outside (0, {n_layers})")
+    return model, tok, model_fingerprint(model, name_or_path)
+
+
+def _hidden_fields(exit_layers) -> dict:
+    """What a manifest says about the stored states, for both sources."""
+    return {"exit_layers": [int(e) for e in exit_layers],
+            "hidden_keys": [f"hidden.{e}" for e in exit_layers] + ["hidden.final"],
+            "hidden_semantics": "hidden.E = hidden_states[E] = output of layers [0, E) (input of layer E); "
+                                "hidden.final = last layer output after the final norm; "
+                                "teacher logits = lm_head(hidden.final)"}
+
+
+def _versions() -> dict:
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "transformers": __import__("transformers").__version__}
+
+
+def _write_manifest(cache: Path, manifest: dict) -> dict:
+    """Write manifest.json atomically (a reader never sees half a file) and return it."""
     tmp = cache / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, cache / "manifest.json")
@@ -864,11 +888,7 @@ def write_sharegpt_manifest(cache: Path, sc: dict, fingerprint: dict, shash: str
         "source": "sharegpt",
         "settings_hash": shash,
         "model": fingerprint,
-        "exit_layers": [int(e) for e in sc["exit_layers"]],
-        "hidden_keys": [f"hidden.{e}" for e in sc["exit_layers"]] + ["hidden.final"],
-        "hidden_semantics": "hidden.E = hidden_states[E] = output of layers [0, E) (input of layer E); "
-                            "hidden.final = last layer output after the final norm; "
-                            "teacher logits = lm_head(hidden.final)",
+        **_hidden_fields(sc["exit_layers"]),
         "sequences": "tf-* shards (teacher-forced ShareGPT text): one sequence per assistant turn, seq_prompt_len = "
                      "position of its first answer token, rows = up to prompt_context_tokens positions before the "
                      "answer (never inside an earlier answer) + the answer, seq_qid = conversation index in the "
@@ -886,13 +906,9 @@ def write_sharegpt_manifest(cache: Path, sc: dict, fingerprint: dict, shash: str
                    "onpolicy": totals([m for m in metas if m["kind"] == "onpolicy"])},
         "shards": [{"file": m["file"], "kind": m["kind"], "turn": m["turn"], "sampled": m["sampled"], **m["stats"]}
                    for m in metas],
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     "transformers": __import__("transformers").__version__},
+        "versions": _versions(),
     }
-    tmp = cache / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, cache / "manifest.json")
-    return manifest
+    return _write_manifest(cache, manifest)
 
 
 def collect_sharegpt(args, cfg: dict) -> int:
@@ -933,12 +949,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
     _log(f"{data['n_objects']} conversations parsed ({'cut off' if data['cut_off'] else 'complete'} file, "
          f"{data['n_assistant_turns']} assistant turns), {len(chats)} used, in {time.perf_counter() - t0:.0f}s")
 
-    model, tok = load_model(name_or_path, dtype=args.dtype, device=args.device)
-    n_layers = model.config.num_hidden_layers
-    bad = [e for e in sc["exit_layers"] if not 0 < int(e) < n_layers]
-    if bad:
-        raise ValueError(f"exit_layers {bad} outside (0, {n_layers})")
-    fingerprint = model_fingerprint(model, name_or_path)
+    model, tok, fingerprint = load_checked_model(name_or_path, args, sc["exit_layers"])
     base = {"weights": fingerprint["weights_sha256"], "dtype": fingerprint["dtype"], "data": data["sha256"],
             "questions": questions_sha, "format": FORMAT_VERSION, "source": "sharegpt"}
 
@@ -1087,12 +1098,7 @@ def collect_specbench(args, cfg: dict) -> int:
 
     t_load = time.perf_counter()
     name_or_path = (cfg.get("model") or {}).get("name_or_path")
-    model, tok = load_model(name_or_path, dtype=args.dtype, device=args.device)
-    n_layers = model.config.num_hidden_layers
-    bad = [e for e in c["exit_layers"] if not 0 < int(e) < n_layers]
-    if bad:
-        raise ValueError(f"exit_layers {bad} outside (0, {n_layers})")
-    fingerprint = model_fingerprint(model, name_or_path)
+    model, tok, fingerprint = load_checked_model(name_or_path, args, c["exit_layers"])
     shash = settings_hash(c, fingerprint, questions_sha, [q["question_id"] for q in questions])
     _log(f"model loaded in {time.perf_counter() - t_load:.1f}s; {len(questions)} questions, "
          f"{c['samples_per_prompt']} chains, turns {c['turns']}, settings {shash}, cache {cache}")
