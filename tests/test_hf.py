@@ -94,6 +94,8 @@ def test_generation_config_of_model_honoured(model, tok):
 
 
 class BanToken(LogitsProcessor):
+    selfspec_pure = True  # a function of its arguments only: it may run inside speculation
+
     def __init__(self, token):
         self.token = token
 
@@ -114,8 +116,9 @@ def test_custom_processor_and_criteria(model, tok):
     enc = ids_of(tok)
     free = model.generate(**enc, max_new_tokens=30, do_sample=False)[0, enc["input_ids"].shape[1]:]
     kw = dict(max_new_tokens=30, do_sample=False, logits_processor=LogitsProcessorList([BanToken(int(free[3]))]))
-    plain, wrapped = both(model, lambda m: m.generate(**enc, **kw))
-    assert torch.equal(plain, wrapped)
+    plain, wrapped = both(model, lambda m: (m.generate(**enc, **kw), getattr(m, "selfspec", None)))
+    assert wrapped[1].last_stats is not None  # ran speculatively, not through the plain-generate fallback
+    assert torch.equal(plain[0], wrapped[0])
     stop = int(free[10])  # a token the unconstrained greedy run produces
     kw = dict(max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter(stop)]))
     plain, wrapped = both(model, lambda m: m.generate(**enc, **kw))
