@@ -89,6 +89,17 @@ class SpecLayer(DynamicLayer):
             return 0
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
+    def gather_slots(self, start: int, index: torch.Tensor) -> None:
+        """Slots [start, start + D) take the KV of slots start + index (B, D), per row: the accepted path of a
+        draft tree moved to the front of its block (gather copies first, so sources and targets may overlap)."""
+        if self._k is None or self.length <= start:
+            return
+        index = index.to(self._k.device)
+        d = index.shape[1]
+        idx = (start + index)[:, None, :, None].expand(-1, self._k.shape[1], -1, self._k.shape[-1])
+        self._k[..., start : start + d, :] = self._k.gather(2, idx)
+        self._v[..., start : start + d, :] = self._v.gather(2, idx)
+
     def reset(self) -> None:
         self.length = 0
         self._k = self._v = None
@@ -130,6 +141,11 @@ class SpecCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
 
+    def gather_slots(self, start: int, index: torch.Tensor) -> None:
+        """Every layer: slots [start, start + D) take the KV of slots start + index (B, D) (SpecLayer.gather_slots)."""
+        for layer in self.layers:
+            layer.gather_slots(start, index)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         for layer in self.layers:
             layer.batch_select_indices(rows)
@@ -143,6 +159,8 @@ class SlotTable:
         # True once any row has a hole (left padding, or rows that accepted different numbers of drafts):
         # until then a single query over a dense prefix needs no mask at all.
         self.has_holes = False
+        # (start, (B, M, M) ancestors) while a draft tree occupies slots [start, start + M): masks.build_mask
+        self.tree: tuple[int, torch.Tensor] | None = None
 
     def write(self, start: int, positions: torch.Tensor) -> None:
         """Record (B, T) positions of tokens entering slots [start, start + T)."""
@@ -164,3 +182,5 @@ class SlotTable:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.pos = self.pos[rows]
+        if self.tree is not None:
+            self.tree = (self.tree[0], self.tree[1][rows])

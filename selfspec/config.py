@@ -16,8 +16,13 @@ class SelfSpecConfig:
     exit_layer: int = 8
     # Most tokens proposed per verification step (K); the verifier adds one of its own.
     max_draft_tokens: int = 6
-    # Stop drafting once the head's top probability falls below this (0 disables the early stop).
+    # Stop drafting once the head's top probability falls below this (0 disables the early stop). Chains only:
+    # a tree's size bounds its drafts instead.
     draft_confidence_threshold: float = 0.0
+    # Draft trees (EAGLE-2 style): children expanded per node; 1 drafts a chain. max_draft_tokens is the depth.
+    draft_tree_top_k: int = 1
+    # Most drafted tokens per verify pass of a tree (nodes of all branches together); needs >= max_draft_tokens.
+    draft_tree_size: int = 16
     # Which drafter proposes tokens: early_exit (default), ngram, hybrid, model, oracle, none.
     drafter: str = "early_exit"
     # Prompt-lookup drafter: longest and shortest suffix n-gram to match.
@@ -42,6 +47,13 @@ class SelfSpecConfig:
         if self.drafter not in known:
             raise ValueError(f"drafter must be one of {known}, got {self.drafter!r} (register your own with "
                              f"selfspec.drafters.register_drafter(name, factory)).")
+        if not isinstance(self.draft_tree_top_k, int) or self.draft_tree_top_k < 1:
+            raise ValueError(f"draft_tree_top_k must be an integer >= 1 (1 drafts a chain), got "
+                             f"{self.draft_tree_top_k!r}.")
+        if self.draft_tree_top_k > 1 and (not isinstance(self.draft_tree_size, int)
+                                          or self.draft_tree_size < self.max_draft_tokens):
+            raise ValueError(f"draft_tree_size must be an integer >= max_draft_tokens={self.max_draft_tokens} (a "
+                             f"tree as deep as a chain needs that many nodes), got {self.draft_tree_size!r}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 1:

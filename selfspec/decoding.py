@@ -18,6 +18,7 @@ from .drafters.base import Draft, Drafter
 from .forward import StepContext, forward_early, forward_prompt, forward_remainder
 from .processing import PrefixProcessor
 from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling
+from .trees import gather_inputs, input_depths, tree_ancestors, verify_tree_greedy, verify_tree_sampling
 
 
 @dataclass
@@ -60,7 +61,10 @@ class DecodeSettings:
     do_sample: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int = 0
-    max_draft_tokens: int = 6
+    max_draft_tokens: int = 6  # the depth of a draft: drafts per step of a chain, levels of a tree
+    # draft trees (trees.py): children expanded per node (1: a chain) and most drafted tokens per verify pass
+    tree_top_k: int = 1
+    tree_size: int = 1
     exit_layer: int = 1  # layer the verifier starts from when a draft brings no hidden states
     processors: PrefixProcessor = field(default_factory=lambda: PrefixProcessor(None))
     criteria: list = field(default_factory=list)  # stopping criteria beyond EOS and max length
@@ -79,6 +83,9 @@ class VerifyStep:
     early: torch.Tensor  # (B, k + 1, H) layer-E states of the inputs (pending token, then drafts)
     top: torch.Tensor  # (B, k + 1, H) final-normed last-layer states of the same inputs
     positions: torch.Tensor  # (B, k + 1)
+    # after a tree: (B, D + 1) verify inputs of the accepted path, whose states the fields above now hold in
+    # path order; None after a chain
+    kept: torch.Tensor | None = None
 
 
 class DecodeState:
@@ -90,7 +97,7 @@ class DecodeState:
         self.device = input_ids.device
         self.vocab_size = ctx.adapter.vocab_size
         self.do_sample = settings.do_sample
-        capacity = max(settings.max_length, self.prompt_len) + settings.max_draft_tokens + 2
+        capacity = max(settings.max_length, self.prompt_len) + max(settings.max_draft_tokens, settings.tree_size) + 2
         self.seq = torch.full((self.batch, capacity), settings.pad_token_id, dtype=torch.long, device=self.device)
         self.seq[:, : self.prompt_len] = input_ids
         self.seq_len = torch.full((self.batch,), self.prompt_len, dtype=torch.long, device=self.device)
@@ -120,9 +127,11 @@ class DecodeState:
         """(B, T, V) float32 logits -> processed, position j following seq[b, :seq_len[b] + offset + j]."""
         return self.settings.processors(self.seq, self.seq_len + offset, logits)
 
-    def write_draft(self, j: int, tokens: torch.Tensor) -> None:
-        """Put drafted tokens (B,) after each row's sequence so that later positions see them as prefix."""
-        self.seq.scatter_(1, (self.seq_len + j)[:, None], tokens[:, None])
+    def write_drafts(self, tokens: torch.Tensor, start: int = 0) -> None:
+        """Put (B, w) drafted tokens at columns [start, start + w) after each row's sequence, so that later
+        positions (processors, emit) see them as prefix."""
+        cols = self.seq_len[:, None] + torch.arange(start, start + tokens.shape[1], device=self.device)[None, :]
+        self.seq.scatter_(1, cols, tokens)
 
     def generated(self, row: int) -> torch.Tensor:
         return self.seq[row, self.prompt_len : self.lengths[row]]
@@ -164,7 +173,10 @@ def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_
     sequence (emit and the processors read them there), and propose nothing for rows that have finished."""
     name = getattr(drafter, "name", None) or type(drafter).__name__
     tokens = draft.tokens
-    if tokens.dim() != 2 or tokens.shape[0] != state.batch or tokens.shape[1] > k:
+    if tokens.dim() != 2 or tokens.shape[0] != state.batch:
+        raise ValueError(f"Drafter {name!r} proposed tokens of shape {tuple(tokens.shape)}; the loop asked for at "
+                         f"most {k} per row of a batch of {state.batch}: return Draft(tokens=(B, <= k) ids, ...).")
+    if draft.parents is None and tokens.shape[1] > k:
         raise ValueError(f"Drafter {name!r} proposed tokens of shape {tuple(tokens.shape)}; the loop asked for at "
                          f"most {k} per row of a batch of {state.batch}: return Draft(tokens=(B, <= k) ids, ...).")
     if draft.hidden is not None:
@@ -175,18 +187,34 @@ def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_
         if draft.hidden.shape[1] > tokens.shape[1] + 1:
             raise ValueError(f"Drafter {name!r} handed over {draft.hidden.shape[1]} hidden states for "
                              f"{tokens.shape[1] + 1} verify inputs (the pending token and the drafts).")
-    if tokens.shape[1]:
-        cols = state.seq_len[:, None] + torch.arange(tokens.shape[1], device=state.device)[None, :]
-        state.seq.scatter_(1, cols, tokens)
+    if draft.parents is not None:
+        _check_tree(state, name, draft)
+    elif tokens.shape[1]:
+        state.write_drafts(tokens)  # a tree's nodes are no prefix of anything: its accepted path is written later
     draft_len = draft.draft_len.clamp(0, tokens.shape[1]).masked_fill(state.finished, 0)
     return dataclasses.replace(draft, draft_len=draft_len)
 
 
+def _check_tree(state: DecodeState, name: str, draft: Draft) -> None:
+    """Shapes only: checking parents[i] <= i would cost a device sync every step."""
+    size = state.settings.tree_size
+    if draft.parents.shape != draft.tokens.shape or draft.tokens.shape[1] > size:
+        raise ValueError(f"Drafter {name!r} proposed a tree of {tuple(draft.tokens.shape)} tokens with parents of "
+                         f"{tuple(draft.parents.shape)}; a tree needs parents of the tokens' shape and at most "
+                         f"draft_tree_size={size} nodes per row.")
+
+
 def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
-    """Run the pending token and the drafts through the layers they have not seen; processed logits (B, k+1, V)."""
+    """Run the pending token and the drafts through the layers they have not seen; their final-normed states
+    (B, k + 1, H), from which `choose` takes the logits it needs."""
     base = state.ctx.cache.layer_length(state.adapter.num_layers - 1)  # slots of the verified prefix
     inputs = torch.cat([state.pending[:, None], draft.tokens], dim=1)
-    positions = state.pos[:, None] + torch.arange(inputs.shape[1], device=state.device)
+    if draft.parents is None:
+        positions = state.pos[:, None] + torch.arange(inputs.shape[1], device=state.device)
+    else:  # the whole tree's mask, for the nodes the drafter did not run through [0, E) and for layers [E, L)
+        ancestors = tree_ancestors(draft.parents, state.settings.max_draft_tokens)
+        state.ctx.slots.tree = (base, ancestors)
+        positions = state.pos[:, None] + input_depths(ancestors)
     m = 0 if draft.hidden is None else draft.hidden.shape[1]
     hidden = draft.hidden
     if m < inputs.shape[1]:
@@ -194,16 +222,59 @@ def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
         hidden = fresh if hidden is None else torch.cat([hidden, fresh], dim=1)
     out = forward_remainder(state.ctx, hidden, positions, exit_layer)
     state.last_verify = VerifyStep(base, hidden, out.hidden, positions)
-    return state.process(out.logits(state.adapter).float())
+    return out.hidden
 
 
-def choose(state: DecodeState, draft: Draft, logits: torch.Tensor):
-    """Accepted drafts n (B,) and the verifier's token (B,), the same on every rank of a tensor-parallel job."""
+def choose(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
+    """Verify a draft from the verifier's final states (B, k + 1, H). Returns (draft, logits, n, token): the
+    accepted drafts n (B,) and the verifier's token (B,), the same on every rank of a tensor-parallel job, with the
+    chain and its processed logits (B, k' + 1, V) that emit goes on with. A tree is reduced to the chain of its
+    accepted path (follow_path)."""
+    if draft.parents is not None:
+        return _choose_path(state, draft, hidden, base)
+    logits = state.process(state.adapter.logits(hidden).float())
     if not state.do_sample:
         n, token = verify_greedy(draft.tokens, logits, draft.draft_len)
     else:
         n, token = verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len)
-    return agree_across_ranks(n, token, draft.tokens, step=state.step)
+    return (draft, logits, *agree_across_ranks(n, token, draft.tokens, step=state.step))
+
+
+def _choose_path(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
+    # every node's logits in one LM-head pass: for a few rows the pass costs about one read of the head's
+    # weight, so scoring only the walked path level by level would cost more, not less
+    logits = state.process(state.adapter.logits(hidden).float())  # (B, N + 1, V)
+    rows = torch.arange(state.batch, device=state.device)
+
+    def logits_at(current: torch.Tensor) -> torch.Tensor:  # (B,) input indices -> (B, V)
+        return logits[rows, current]
+
+    depth = state.settings.max_draft_tokens
+    if not state.do_sample:
+        path, n, token, logits = verify_tree_greedy(draft.tokens, draft.parents, logits_at, draft.draft_len, depth)
+    else:
+        path, n, token, logits = verify_tree_sampling(draft.tokens, draft.parents, logits_at, draft.draft_len,
+                                                      depth, draft.q)
+    draft = follow_path(state, draft, path, base)
+    return (draft, logits, *agree_across_ranks(n, token, draft.tokens, step=state.step))
+
+
+def follow_path(state: DecodeState, draft: Draft, path: torch.Tensor, base: int) -> Draft:
+    """Turn a verified tree into the chain of its accepted path, (B, D + 1) verify inputs, root first: the path's
+    KV moves to the front of the tree's slots in every layer, the slot table and the sequence get the path's
+    positions and tokens, and the tree mask is dropped. Entries past a row's accepted count are junk that rollback
+    cuts. Returns the chain draft; its draft_len still counts the tree's nodes, for the stats."""
+    ctx = state.ctx
+    ctx.cache.gather_slots(base, path)
+    ctx.slots.tree = None
+    positions = state.pos[:, None] + torch.arange(path.shape[1], device=state.device)
+    ctx.slots.write(base, positions)
+    tokens = draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0))  # (B, D)
+    state.write_drafts(tokens)
+    step = state.last_verify
+    state.last_verify = VerifyStep(base, gather_inputs(step.early, path), gather_inputs(step.top, path), positions,
+                                   kept=path)
+    return Draft(tokens=tokens, draft_len=draft.draft_len)
 
 
 def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, logits: torch.Tensor) -> "Emitted":
@@ -350,8 +421,8 @@ def _speculative_step(ctx, drafter, state, settings, stats) -> None:
     if settings.timed:
         _sync(state.device)
     t1 = time.perf_counter()
-    logits = verify(state, draft, settings.exit_layer)
-    n, token = choose(state, draft, logits)
+    hidden = verify(state, draft, settings.exit_layer)
+    draft, logits, n, token = choose(state, draft, hidden, base)
     step = emit(state, draft, n, token, logits)
     rollback(state, draft, n, token, base, step.accepted)
     drafter.accepted(state, draft, n)

@@ -60,8 +60,8 @@ def run_layers(ctx: StepContext, hidden, positions, start: int, stop: int, slot_
         window = adapter.window(i)
         if window not in masks:
             masks[window] = (
-                build_mask(slot_pos, positions, q_start, window, hidden.dtype, adapter.attn_impl)
-                if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl)
+                build_mask(slot_pos, positions, q_start, window, hidden.dtype, adapter.attn_impl, ctx.slots.tree)
+                if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl, ctx.slots.tree)
                 else None
             )
         hidden = adapter.call_layer(i, hidden, masks[window], positions, rotary, ctx.cache)
@@ -104,6 +104,8 @@ def run_module(ctx: StepContext, layer, i: int, cache: SpecCache, hidden, positi
     q_start, t = cache.layer_length(0), hidden.shape[1]
     window = adapter.window(i)
     mask = None
-    if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl):
-        mask = build_mask(ctx.slots.view(q_start + t), positions, q_start, window, hidden.dtype, adapter.attn_impl)
+    tree = ctx.slots.tree
+    if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl, tree):
+        mask = build_mask(ctx.slots.view(q_start + t), positions, q_start, window, hidden.dtype, adapter.attn_impl,
+                          tree)
     return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)

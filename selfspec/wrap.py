@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import types
+import warnings
 
 import torch
 
@@ -89,6 +90,24 @@ class SelfSpecEngine:
                 f"{num_layers - 1} (layers [0, exit_layer) draft, the rest verify).")
         return exit_layer
 
+    def tree_settings(self, drafter: Drafter, settings: DecodeSettings) -> dict:
+        """The tree shape this call drafts with: the config's, or a chain (with a one-time warning) where a tree
+        cannot run: a drafter that drafts chains only, or logits processors that read the prefix (a tree node's
+        prefix is its branch, which those processors cannot be shown)."""
+        top_k = self.config.draft_tree_top_k
+        if top_k == 1:
+            return {}
+        name = getattr(drafter, "name", None) or type(drafter).__name__
+        if not getattr(drafter, "drafts_trees", False):
+            reason = f"the {name!r} drafter drafts chains only"
+        elif not settings.processors.prefix_free:
+            reason = ("a logits processor reads the prefix (" + ", ".join(type(p).__name__ for p in
+                      settings.processors.processors) + "), which differs from branch to branch of a tree")
+        else:
+            return {"tree_top_k": top_k, "tree_size": self.config.draft_tree_size}
+        warn_once(f"selfspec: {reason}; drafting chains instead of trees (draft_tree_top_k={top_k}).")
+        return {}
+
     # --- decoding --------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, attention_mask, settings: DecodeSettings, tokenizers=None):
@@ -104,7 +123,7 @@ class SelfSpecEngine:
         finally:
             self._call_tokenizers = (None, None)
         settings = dataclasses.replace(settings, max_draft_tokens=self.config.max_draft_tokens,
-                                       exit_layer=self.split_layer(drafter))
+                                       exit_layer=self.split_layer(drafter), **self.tree_settings(drafter, settings))
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)
@@ -120,6 +139,15 @@ class SelfSpecEngine:
     def __repr__(self) -> str:
         return (f"SelfSpecEngine({type(self.model).__name__}, layers={self.adapter.num_layers}, "
                 f"config={self.config}, heads={sorted(self.heads)})")
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _resolve_config(config, overrides: dict) -> tuple[SelfSpecConfig, str | None]:

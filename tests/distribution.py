@@ -44,3 +44,14 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor, min_expected: 
     obs, exp = obs[keep], exp[keep]
     exp = exp * obs.sum() / exp.sum()
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def accept_everything(state, draft, hidden, base):
+    """A planted bug in place of decoding.choose: keep every draft, then a token from p after them (ignores p and
+    q). Sampling tests patch it in to show that their check can fail."""
+    from selfspec.sampling import sample
+
+    logits = state.process(state.adapter.logits(hidden).float())
+    n = draft.draft_len
+    probs = torch.softmax(logits, dim=-1)
+    return draft, logits, n, sample(probs[torch.arange(n.shape[0]), n])

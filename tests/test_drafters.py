@@ -13,10 +13,9 @@ from transformers.generation import logits_process as lp
 import selfspec
 import selfspec.decoding
 from conftest import make_model
-from distribution import chi_square_pvalue, exact_marginals
+from distribution import accept_everything, chi_square_pvalue, exact_marginals
 from selfspec.drafters import build_drafter
 from selfspec.drafters.ngram import suffix_match
-from selfspec.sampling import sample
 
 GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
 LAYERS = 4
@@ -254,7 +253,7 @@ def test_model_drafter_without_a_model_says_how():
 
 # --- sampling exactness ---------------------------------------------------------------------------------------
 
-VOCAB, ROWS, STEPS = 10, 6000, 3
+VOCAB, ROWS, STEPS = 10, 6000, 4  # 4 tokens: after the first, drafts of depth 2 (a tree of two levels)
 ALPHA = 1e-4
 SAMPLE = dict(do_sample=True, temperature=0.9, top_k=8, max_new_tokens=STEPS, pad_token_id=0)
 PROCESSORS = lp.LogitsProcessorList([lp.TemperatureLogitsWarper(0.9), lp.TopKLogitsWarper(8)])
@@ -278,17 +277,12 @@ def target_and_exact():
     return model, exact_marginals(model, PROMPT, STEPS, PROCESSORS)
 
 
-def _accept_everything(state, draft, logits):
-    """Planted bug: keep every draft, then a token from p after them (ignores p and q)."""
-    n = draft.draft_len
-    probs = torch.softmax(logits, dim=-1)
-    return n, sample(probs[torch.arange(n.shape[0]), n])
-
-
 SAMPLING_CASES = {
     "ngram": dict(drafter="ngram", exit_layer=1, max_draft_tokens=2),
     "hybrid": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, hybrid_min_match=2),
     "model": dict(exit_layer=1, max_draft_tokens=2),  # drafter: a separate random model
+    # a draft tree: two levels, up to three children per node, checked by multi-candidate rejection
+    "tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3, draft_tree_size=6),
 }
 
 
@@ -316,6 +310,16 @@ def test_sampling_matches_target(target_and_exact, case):
 
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
 def test_sampling_negative_control_fails(target_and_exact, case, monkeypatch):
-    monkeypatch.setattr(selfspec.decoding, "choose", _accept_everything)
+    monkeypatch.setattr(selfspec.decoding, "choose", accept_everything)
     pvalues, _ = _sampled_pvalues(target_and_exact, case)
     assert min(pvalues[1:]) < ALPHA, pvalues  # the drafted positions are off
+
+
+def test_tree_sampling_negative_control_residual(target_and_exact, monkeypatch):
+    """Planted bug in multi-candidate rejection: a rejected child stays in the residual that its later siblings
+    are tested against and the verifier's token is drawn from, so drafted tokens come out too often."""
+    import selfspec.trees
+
+    monkeypatch.setattr(selfspec.trees, "residual_after_rejection", lambda r, x, q: r)
+    pvalues, _ = _sampled_pvalues(target_and_exact, "tree")
+    assert min(pvalues) < ALPHA, pvalues

@@ -118,11 +118,13 @@ def test_training_lowers_the_loss():
     assert losses[-1] < 0.5 * losses[0], losses[::10]
 
 
+@pytest.mark.parametrize("tree", [{}, dict(draft_tree_top_k=2, draft_tree_size=6)], ids=["chain", "tree"])
 @pytest.mark.parametrize("context", ["early", "top"])
-def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context):
+def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context, tree):
     """After decoding, the attention head's own KV for every verified slot equals the head layer run afresh over the
     model's states of the final text (layer-E states, or final-normed ones for context="top"): drafting, rollback and
-    catch-up kept it exact, in a padded batch whose rows accept different numbers of drafts."""
+    catch-up kept it exact, in a padded batch whose rows accept different numbers of drafts; with draft trees too,
+    whose rejected branches the head saw while drafting."""
     model = make_model("llama", 4)
     head = _heads(model=model)["attn" if context == "early" else "attn-top"]
     seen = {}
@@ -134,7 +136,7 @@ def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context):
 
     monkeypatch.setattr(EarlyExitDrafter, "accepted", spy)
     ids, mask = padded_batch(seed=7)
-    selfspec.wrap(model, exit_layer=2, max_draft_tokens=3)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=3, **tree)
     model.selfspec.add_head(head)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     selfspec.unwrap(model)

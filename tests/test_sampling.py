@@ -12,7 +12,7 @@ from transformers.generation import logits_process as lp
 import selfspec
 import selfspec.decoding
 from selfspec.sampling import sample, verify_greedy, verify_sampling
-from distribution import chi_square_pvalue, exact_marginals
+from distribution import accept_everything, chi_square_pvalue, exact_marginals
 
 VOCAB, ROWS, STEPS = 10, 6000, 4
 ALPHA = 1e-4
@@ -31,13 +31,6 @@ def _tiny_model():
 
 GEN = dict(do_sample=True, temperature=0.9, top_k=8, max_new_tokens=STEPS, pad_token_id=0)
 PROCESSORS = lp.LogitsProcessorList([lp.TemperatureLogitsWarper(0.9), lp.TopKLogitsWarper(8)])
-
-
-def _accept_everything(state, draft, logits):
-    """Planted bug: keep every draft, then a token from p after them (ignores p/q entirely)."""
-    n = draft.draft_len
-    probs = torch.softmax(logits, dim=-1)
-    return n, sample(probs[torch.arange(n.shape[0]), n])
 
 
 def _sampled_pvalues(model, prompt):
@@ -73,7 +66,7 @@ def test_speculative_sampling_matches_target(model_and_prompt, threshold):
 
 def test_negative_control_always_accept_fails(model_and_prompt, monkeypatch):
     model, prompt = model_and_prompt
-    monkeypatch.setattr(selfspec.decoding, "choose", _accept_everything)
+    monkeypatch.setattr(selfspec.decoding, "choose", accept_everything)
     selfspec.wrap(model, exit_layer=1, max_draft_tokens=2)
     try:
         pvalues = _sampled_pvalues(model, prompt)
@@ -207,7 +200,7 @@ def _penalise_the_padding(monkeypatch):
 @pytest.mark.parametrize("plant", ["accept_everything", _drafts_left_out_of_the_prefix, _penalise_the_padding])
 def test_padded_penalised_batch_negative_controls_fail(model_and_prompt, exact_penalised, monkeypatch, plant):
     if plant == "accept_everything":
-        monkeypatch.setattr(selfspec.decoding, "choose", _accept_everything)
+        monkeypatch.setattr(selfspec.decoding, "choose", accept_everything)
     else:
         plant(monkeypatch)
     pvalues, _ = _wrapped_padded_pvalues(model_and_prompt[0], exact_penalised)

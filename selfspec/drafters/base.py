@@ -18,6 +18,10 @@ class Draft:
     hidden: torch.Tensor | None = None
     # the layer E whose input `hidden` is; the loop refuses states from any layer but the one it verifies from
     hidden_layer: int | None = None
+    # (B, k) for a draft tree (trees.py): the verify-input index of each node's parent (0: the pending token,
+    # i + 1: node i), parents before children. None: a chain. A tree's `hidden` covers the pending token and the
+    # first m - 1 nodes, which the drafter ran through layers [0, E) in node order under the tree mask.
+    parents: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -35,14 +39,18 @@ class Drafter:
 
     A drafter only proposes: the loop writes the proposed tokens into the sequence, masks rows that have
     finished and checks that hidden states come from the layer it verifies from (decoding.take_draft). A drafter
-    may still write its drafts early (state.write_draft) so that logits processors reading the prefix see them
-    while it drafts the next one; nothing else relies on that."""
+    may still write its drafts early (state.write_drafts) so that logits processors reading the prefix see them
+    while it drafts the next one; nothing else relies on that.
+
+    A drafter with `drafts_trees` proposes a tree (Draft.parents) when state.settings.tree_top_k > 1; the engine
+    asks only drafters that say so, and falls back to chains with a warning for the rest."""
 
     name = "none"
     uses_early_layers = False
     # Whether `begin` reads state.prompt_hidden, the (B, T0, H) layer-E and final states of the prompt; the loop
     # keeps them through prefill only for drafters that say so.
     needs_prompt_hidden = False
+    drafts_trees = False
 
     def begin(self, state) -> None:
         """Called once after prefill."""

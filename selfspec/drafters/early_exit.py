@@ -1,17 +1,21 @@
 """Draft with the model's own layers [0, E) plus an exit head, writing layers [0, E) of the shared cache."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..cache import SpecCache
 from ..forward import forward_early, run_module
 from ..heads import ExitHead
 from .base import Draft, Drafter, choose_draft
+from .tree import grow_tree
 
 
 class EarlyExitDrafter(Drafter):
     name = "early_exit"
     uses_early_layers = True
+    drafts_trees = True
 
     def __init__(self, head: ExitHead, confidence_threshold: float = 0.0):
         self.head = head
@@ -27,19 +31,21 @@ class EarlyExitDrafter(Drafter):
         if self.head_cache is not None:
             self.head_cache.catch_up(state)
 
-    def head_logits(self, state, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def head_logits(self, state, hidden: torch.Tensor, positions: torch.Tensor | None = None,
+                    every: bool = False) -> torch.Tensor:
         """(B, T, H) layer-E states of the inputs just run through layers [0, E), at (B, T) positions -> (B, V)
-        draft logits for the token after the last one, over the full vocabulary (-inf outside the head's).
-        A stateful head takes all T inputs into its cache; the others look at the last one only."""
+        draft logits for the token after the last one (with `every`: (B, T, V), after each), over the full
+        vocabulary (-inf outside the head's). A stateful head takes all T inputs into its cache."""
         if self.head_cache is not None:
-            sub = self.head.logits(self.head_cache.feed(state, hidden, positions)[:, -1:], state.adapter)
+            out = self.head_cache.feed(state, hidden, positions)
+            sub = self.head.logits(out if every else out[:, -1:], state.adapter)
         else:
-            sub = self.head(hidden[:, -1:], state.adapter)
-        sub = sub[:, -1].float()
+            sub = self.head(hidden if every else hidden[:, -1:], state.adapter)
+        sub = sub.float() if every else sub[:, -1].float()
         if self.head.vocab_ids is None:
             return sub
-        full = sub.new_full((sub.shape[0], state.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.head.vocab_ids.to(sub.device), sub)
+        full = sub.new_full((*sub.shape[:-1], state.vocab_size), float("-inf"))
+        return full.index_copy_(sub.dim() - 1, self.head.vocab_ids.to(sub.device), sub)
 
     def run(self, state, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) inputs at (B, T) positions through layers [0, E) (into the shared cache), then the head: their
@@ -48,9 +54,18 @@ class EarlyExitDrafter(Drafter):
         hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
         return hidden, self.head_logits(state, hidden, positions)
 
+    def run_level(self, state, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `run`, with draft logits after every input: (B, T, H) states and (B, T, V) logits (a tree level)."""
+        hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
+        return hidden, self.head_logits(state, hidden, positions, every=True)
+
     def propose(self, state, k: int) -> Draft:
         if k == 0:
             return Draft.empty(state.batch, state.device)
+        if state.settings.tree_top_k > 1:
+            draft = grow_tree(state, lambda x, p: self.run_level(state, x, p), k, state.settings.tree_top_k,
+                              state.settings.tree_size)
+            return dataclasses.replace(draft, hidden_layer=self.exit_layer)
         x = state.pending
         active = ~state.finished
         draft_len = torch.zeros_like(state.pending)
@@ -65,7 +80,7 @@ class EarlyExitDrafter(Drafter):
             tokens.append(token)
             if state.do_sample:
                 qs.append(probs)
-            state.write_draft(j, token)
+            state.write_drafts(token[:, None], start=j)
             if j + 1 < k and not bool(active.any()):
                 break
             x = token
@@ -102,9 +117,9 @@ class HeadCache:
     def catch_up(self, state) -> None:
         step = state.last_verify
         verified_len = state.ctx.cache.layer_length(state.adapter.num_layers - 1)
-        if self.head.context == "top":
+        if self.head.context == "top" or step.kept is not None:  # after a tree: its path, fed again in order
             self.cache.rollback(step.base)
-            source = step.top
+            source = step.top if self.head.context == "top" else step.early
         else:
             self.cache.rollback(verified_len)
             source = step.early

@@ -31,7 +31,7 @@ import torch
 
 from .base import Draft, Drafter, choose_draft
 from .early_exit import EarlyExitDrafter
-from .ngram import NgramDrafter, write_drafts
+from .ngram import NgramDrafter
 
 
 class HybridDrafter(Drafter):
@@ -83,7 +83,7 @@ class HybridDrafter(Drafter):
         columns every extending row already knows, [fed, end), through layers [0, E); the rows whose first free
         draft column is end - 1 then take the head's proposal there if it is confident enough."""
         k = tokens.shape[1]
-        write_drafts(state, tokens)  # the n-gram prefixes (later columns are overwritten as rows extend)
+        state.write_drafts(tokens)  # the n-gram prefixes (later columns are overwritten as rows extend)
         draft_len = forced_len.clone()
         hiddens, head_q = [], []  # head_q: (column, rows that took the head's token, (B, V) probs)
         fed = 0
@@ -98,7 +98,7 @@ class HybridDrafter(Drafter):
             token, probs, confident = choose_draft(state, logits, col, self.early.threshold)
             take = proposing & confident
             tokens[:, col] = torch.where(take, token, tokens[:, col])
-            state.write_draft(col, tokens[:, col])
+            state.write_drafts(tokens[:, col : col + 1], start=col)
             if state.do_sample:
                 head_q.append((col, take, probs))
             draft_len += take.long()
@@ -113,7 +113,7 @@ def _ngram_draft(state, tokens, length) -> Draft:
     width = int(length.max())
     if width == 0:
         return Draft.empty(state.batch, state.device)
-    write_drafts(state, tokens[:, :width])
+    state.write_drafts(tokens[:, :width])
     return Draft(tokens=tokens[:, :width], draft_len=length)
 
 

@@ -183,7 +183,7 @@ class DraftModelDrafter(Drafter):
             tokens.append(token)
             if probs is not None:
                 qs.append(probs)
-            state.write_draft(j, token)
+            state.write_drafts(token[:, None], start=j)
             if j + 1 == k or not bool(active.any()):
                 break
             logits = self._run(token[:, None], state.pos[:, None] + j + 1)[:, -1]

@@ -112,11 +112,5 @@ class NgramDrafter(Drafter):
         if width == 0:
             return Draft.empty(state.batch, state.device)
         tokens = found.tokens[:, :width]
-        write_drafts(state, tokens)
+        state.write_drafts(tokens)
         return Draft(tokens=tokens, draft_len=found.length)
-
-
-def write_drafts(state, tokens: torch.Tensor) -> None:
-    """Put (B, w) drafted tokens after each row's sequence (processors and `emit` read them from there)."""
-    cols = state.seq_len[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-    state.seq.scatter_(1, cols, tokens)

@@ -55,7 +55,7 @@ class OracleDrafter(Drafter):
         cols = (generated[:, None] + torch.arange(width, device=state.device)).clamp(max=self.targets.shape[1] - 1)
         tokens = self.targets.gather(1, cols)  # (B, width); columns past a row's draft_len are ignored
         for j in range(width):
-            state.write_draft(j, tokens[:, j])  # processors reading the prefix must see the drafts
+            state.write_drafts(tokens[:, j : j + 1], start=j)  # processors reading the prefix must see the drafts
         return Draft(tokens=tokens, draft_len=draft_len)
 
 

@@ -1,0 +1,63 @@
+"""Grow a draft tree from a head's distribution (EAGLE-2's dynamic tree) on the shared early-exit cache.
+
+Level by level, the frontier (the best `top_k` nodes of the newest level by cumulative draft log-probability)
+runs through layers [0, E) and the head under the tree mask, so its KV is the verifier's own, as for a chain.
+Each frontier node offers its `top_k` most probable children; after `depth` levels, or when `size` nodes are
+run, the tree keeps every run node and fills up to `size` nodes with the best remaining children (leaves),
+which the verifier runs through [0, E) itself. Keeping the run nodes keeps the tree closed under ancestors
+(every leaf hangs under a run node). Nodes are ordered run nodes first (their cache slots), then leaves.
+Children are deterministic (top-k, not sampled), so in sampling mode each is a point-mass draft.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..trees import tree_ancestors
+from .base import Draft
+
+
+def grow_tree(state, run_level, depth: int, top_k: int, size: int) -> Draft:
+    """run_level(inputs (B, F), positions (B, F)) -> (layer-E states (B, F, H), draft logits (B, F, V)).
+    Returns a tree Draft of at most `size` nodes and `depth` levels per row (parents, hidden, no q)."""
+    b, device = state.batch, state.device
+    slots, base = state.ctx.slots, state.ctx.cache.layer_length(0)
+    run_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
+    run_parents = torch.empty_like(run_tokens)
+    frontier = state.pending[:, None]  # (B, F) tokens of the nodes to run next
+    frontier_inputs = torch.zeros(b, 1, dtype=torch.long, device=device)  # their verify-input indices
+    frontier_score = torch.zeros(b, 1, device=device)  # cumulative draft log-probability
+    hiddens, leaves = [], []
+    for level in range(1, depth + 1):
+        slots.tree = (base, tree_ancestors(run_parents, level))
+        hidden, logits = run_level(frontier, (state.pos[:, None] + (level - 1)).expand_as(frontier))
+        hiddens.append(hidden)
+        logp = torch.log_softmax(state.process(logits), dim=-1)  # (B, F, V)
+        top_logp, top_tokens = logp.topk(top_k, dim=-1)  # (B, F, top_k)
+        score = (frontier_score[..., None] + top_logp).flatten(1)  # (B, F * top_k)
+        tokens = top_tokens.flatten(1)
+        parents = frontier_inputs[..., None].expand(-1, -1, top_k).flatten(1)
+        width = min(top_k, size - run_tokens.shape[1]) if level < depth else 0
+        if width > 0:  # nothing is drafted after an EOS, so an EOS child is expanded last
+            pick = score.masked_fill(state.is_eos(tokens), float("-inf")).topk(width, dim=-1).indices
+            frontier, frontier_score = tokens.gather(1, pick), score.gather(1, pick)
+            frontier_inputs = run_tokens.shape[1] + 1 + torch.arange(width, device=device)[None, :].expand(b, -1)
+            run_tokens = torch.cat([run_tokens, frontier], dim=1)
+            run_parents = torch.cat([run_parents, parents.gather(1, pick)], dim=1)
+            score = score.scatter(1, pick, float("-inf"))  # the frontier is no leaf
+        leaves.append((tokens, parents, score))
+        if width == 0:
+            break
+    slots.tree = None  # the loop sets the whole tree's mask before it verifies
+    tokens, parents = _with_best_leaves(run_tokens, run_parents, leaves, size)
+    draft_len = torch.full((b,), tokens.shape[1], dtype=torch.long, device=device)
+    return Draft(tokens=tokens, draft_len=draft_len, hidden=torch.cat(hiddens, dim=1), parents=parents)
+
+
+def _with_best_leaves(run_tokens, run_parents, leaves, size: int):
+    """Append the best size - (run nodes) leaves by cumulative score, most probable first (the order in which
+    sampling tries siblings)."""
+    tokens, parents, score = (torch.cat(parts, dim=1) for parts in zip(*leaves))
+    count = min(size - run_tokens.shape[1], tokens.shape[1])
+    pick = score.topk(count, dim=-1).indices
+    return (torch.cat([run_tokens, tokens.gather(1, pick)], dim=1),
+            torch.cat([run_parents, parents.gather(1, pick)], dim=1))

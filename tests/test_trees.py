@@ -1,0 +1,180 @@
+"""Draft trees: the pure functions on hand-made trees, greedy identity against Hugging Face's own output for every
+family, exit layer and tree shape (batches and every head design included), the chain fallbacks with their
+warnings, and the config's checks. Sampling exactness is in test_drafters (the "tree" case and its negative
+control)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers.generation import logits_process as lp
+
+import selfspec
+from conftest import FAMILIES, make_model, padded_batch, prompt
+from selfspec.sampling import verify_greedy
+from selfspec.trees import chain_parents, input_depths, tree_ancestors, verify_tree_greedy
+from test_heads import KINDS, _heads
+
+GEN = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+SHAPES = [(3, 2, 6), (4, 3, 9), (5, 4, 16)]  # (depth K, top_k, size)
+
+# input 0 is the root; nodes 0..4 are inputs 1..5:  root -> {1, 2}, 1 -> {3, 5}, 3 -> {4}
+PARENTS = torch.tensor([[0, 0, 1, 3, 1]])
+
+
+def _one_hot_logits(targets: list[int], vocab: int = 8) -> torch.Tensor:
+    """(1, len, V) logits whose argmax at input i is targets[i]."""
+    return torch.nn.functional.one_hot(torch.tensor([targets]), vocab).double()
+
+
+def test_ancestors_and_depths_of_a_hand_made_tree():
+    anc = tree_ancestors(PARENTS, depth=3)
+    assert anc[0, 4].nonzero().flatten().tolist() == [0, 1, 3, 4]  # node 3 (input 4): root, 1, 3, itself
+    assert anc[0, 5].nonzero().flatten().tolist() == [0, 1, 5]
+    assert input_depths(anc)[0].tolist() == [0, 1, 1, 2, 3, 2]
+    # a depth bound below the true depth leaves ancestors out: the bound is load-bearing
+    assert not bool(tree_ancestors(PARENTS, depth=1)[0, 4, 0])
+
+
+def test_greedy_walk_takes_the_right_sibling_and_stops_at_the_first_miss():
+    tokens = torch.tensor([[5, 6, 7, 1, 2]])
+    # target after root: 6 (node 1, input 2, no children) -> accept 1 node, then the target there is 3
+    path, n, token, _ = verify_tree_greedy(tokens, PARENTS, lambda cur: _one_hot_logits([6, 0, 3, 0, 0, 0])[0, cur],
+                                           torch.tensor([5]), depth=3)
+    assert (n.item(), token.item(), path[0].tolist()) == (1, 3, [0, 2])
+    # targets 5 at the root (node 0, input 1), 7 there (node 2, input 3, not its sibling 2 at input 5), 1 there
+    # (node 3, input 4), and 4 after it
+    targets = [5, 7, 0, 1, 4, 0]
+    path, n, token, logits = verify_tree_greedy(tokens, PARENTS, lambda cur: _one_hot_logits(targets)[0, cur],
+                                                torch.tensor([5]), depth=3)
+    assert (n.item(), token.item(), path[0].tolist()) == (3, 4, [0, 1, 3, 4])
+    assert logits.argmax(-1)[0].tolist() == [5, 7, 1, 4]  # the logits the loop records, along the path
+    # nodes past draft_len are not proposed: with 3 of them the walk stops before node 3
+    path, n, token, _ = verify_tree_greedy(tokens, PARENTS, lambda cur: _one_hot_logits(targets)[0, cur],
+                                           torch.tensor([3]), depth=3)
+    assert (n.item(), token.item()) == (2, 1)
+
+
+def test_a_chain_shaped_tree_verifies_like_the_chain():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        b, k, v = 4, 5, 6
+        tokens = torch.randint(0, v, (b, k), generator=g)
+        logits = torch.randn(b, k + 1, v, generator=g)
+        logits.scatter_(2, torch.cat([tokens, tokens[:, :1]], 1)[..., None], 5.0 * torch.rand(b, k + 1, 1, generator=g))
+        draft_len = torch.randint(0, k + 1, (b,), generator=g)
+        rows = torch.arange(b)
+        _, n, token, _ = verify_tree_greedy(tokens, chain_parents(b, k, "cpu"), lambda c: logits[rows, c],
+                                            draft_len, depth=k)
+        n_ref, token_ref = verify_greedy(tokens, logits, draft_len)
+        assert torch.equal(n, n_ref) and torch.equal(token, token_ref)
+
+
+def _generate(model, ids, mask=None, **cfg):
+    selfspec.wrap(model, **cfg)
+    try:
+        return model.generate(ids, attention_mask=mask, **GEN), model.selfspec.last_stats
+    finally:
+        selfspec.unwrap(model)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_identity_every_family_and_shape(family):
+    model = make_model(family, 4)
+    ids = prompt(seed=1)
+    ref = model.generate(ids, **GEN)
+    for exit_layer in (1, 3):
+        for k, top_k, size in SHAPES:
+            out, stats = _generate(model, ids, exit_layer=exit_layer, max_draft_tokens=k, draft_tree_top_k=top_k,
+                                   draft_tree_size=size)
+            assert torch.equal(out, ref), (family, exit_layer, k, top_k, size)
+            assert stats.drafted_tokens > stats.verify_steps, stats  # trees were drafted, not chains
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "qwen3"])
+def test_greedy_identity_padded_batch(family):
+    """Rows of different lengths, each with its own tree and accepted path, in one pass."""
+    model = make_model(family, 4)
+    ids, mask = padded_batch(seed=2)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    for exit_layer, (k, top_k, size) in ((1, SHAPES[1]), (2, SHAPES[2])):
+        out, _ = _generate(model, ids, mask, exit_layer=exit_layer, max_draft_tokens=k, draft_tree_top_k=top_k,
+                           draft_tree_size=size)
+        assert torch.equal(out, ref), (family, exit_layer, k)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_identity_with_each_head(kind):
+    """Heads with a KV cache of their own (attention adapters) draft over the tree and follow its path."""
+    model = make_model("llama", 4)
+    ids, mask = padded_batch(seed=3)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, draft_tree_top_k=3, draft_tree_size=10)
+    model.selfspec.add_head(_heads(model=model)[kind])
+    try:
+        assert torch.equal(model.generate(ids, attention_mask=mask, **GEN), ref)
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_a_tree_accepts_more_than_its_chain_on_a_flat_model():
+    """On a random model the draft's top choice is often wrong and its second one right: the tree must find
+    those (a tree that only ever followed its first branch would tie the chain)."""
+    model = make_model("llama", 4, agreeable=False)
+    ids = prompt(seed=4)
+    _, chain = _generate(model, ids, exit_layer=3, max_draft_tokens=4)
+    _, tree = _generate(model, ids, exit_layer=3, max_draft_tokens=4, draft_tree_top_k=4, draft_tree_size=16)
+    assert tree.mean_accepted_tokens > 1.2 * chain.mean_accepted_tokens, (tree, chain)
+
+
+@pytest.mark.parametrize("case", ["ngram", "penalty"])
+def test_chains_with_a_warning_where_a_tree_cannot_run(case):
+    model = make_model("llama", 4)
+    ids = prompt(seed=5, length=16)
+    extra = dict(drafter="ngram") if case == "ngram" else {}
+    gen = dict(GEN, repetition_penalty=1.3) if case == "penalty" else GEN
+    ref = model.generate(ids, **gen)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=3, draft_tree_top_k=2, draft_tree_size=6, **extra)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model.generate(ids, **gen)
+    finally:
+        selfspec.unwrap(model)
+    assert torch.equal(out, ref)
+    expected = "drafts chains only" if case == "ngram" else "RepetitionPenaltyLogitsProcessor"
+    assert any(expected in str(w.message) and "instead of trees" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+
+
+def test_config_checks_and_round_trip(tmp_path):
+    with pytest.raises(ValueError, match="draft_tree_top_k must be an integer >= 1"):
+        selfspec.SelfSpecConfig(draft_tree_top_k=0).validate()
+    with pytest.raises(ValueError, match="draft_tree_size must be an integer >= max_draft_tokens=6"):
+        selfspec.SelfSpecConfig(draft_tree_top_k=2, draft_tree_size=4).validate()
+    config = selfspec.SelfSpecConfig(draft_tree_top_k=3, draft_tree_size=12)
+    config.save(str(tmp_path))
+    loaded = selfspec.SelfSpecConfig.load(str(tmp_path))
+    assert (loaded.draft_tree_top_k, loaded.draft_tree_size) == (3, 12)
+
+
+def test_a_tree_larger_than_the_config_allows_is_refused():
+    """The loop's side of the drafter contract for trees."""
+    from selfspec.drafters.base import Draft, Drafter
+
+    class Bushy(Drafter):
+        name, drafts_trees = "bushy", True
+
+        def propose(self, state, k):
+            n = state.settings.tree_size + 1
+            tokens = torch.zeros(state.batch, n, dtype=torch.long)
+            return Draft(tokens, torch.full((state.batch,), n), parents=torch.zeros_like(tokens))
+
+    model = make_model("llama", 4)
+    selfspec.wrap(model, drafter=Bushy(), max_draft_tokens=2, draft_tree_top_k=2, draft_tree_size=4)
+    try:
+        with pytest.raises(ValueError, match="at most draft_tree_size=4 nodes"):
+            model.generate(prompt(seed=6), **GEN)
+    finally:
+        selfspec.unwrap(model)
