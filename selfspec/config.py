@@ -16,8 +16,8 @@ class SelfSpecConfig:
     exit_layer: int = 8
     # Most tokens proposed per verification step (K); the verifier adds one of its own.
     max_draft_tokens: int = 6
-    # Stop drafting once the head's top probability falls below this (0 disables the early stop). Chains only:
-    # a tree's size bounds its drafts instead.
+    # Stop drafting once the head's top probability falls below this (0 disables the early stop); a tree stops
+    # growing once no child's cumulative draft probability reaches it.
     draft_confidence_threshold: float = 0.0
     # Draft trees (EAGLE-2 style): children expanded per node; 1 drafts a chain. max_draft_tokens is the depth.
     draft_tree_top_k: int = 1

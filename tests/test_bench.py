@@ -160,12 +160,15 @@ def test_heads_dir_feeds_the_selfspec_method(model, tmp_path):
     model.selfspec.add_head(head)
     model.selfspec.save_pretrained(str(tmp_path / "heads"))
     selfspec.unwrap(model)
-    res = _run(model, methods=("hf-greedy", "selfspec-untrained", "selfspec"), heads=str(tmp_path / "heads"),
-               exit_layer=None, max_draft_tokens=None)
+    res = _run(model, methods=("hf-greedy", "selfspec-untrained", "selfspec", "selfspec-tree"),
+               heads=str(tmp_path / "heads"), exit_layer=None, max_draft_tokens=None)
     assert res.setup["heads"] == [3] and res.setup["selfspec_config"]["exit_layer"] == 3
     assert not res.mismatches  # a bad head costs speed, never tokens
     drafted = {n: [(r.drafted, r.accepted) for r in res.records if r.method == n] for n in res.names}
     assert drafted["selfspec"] != drafted["selfspec-untrained"]
+    # the same head drafting trees (bench.DEFAULT_TREE, no calibrated tree here): more drafts per pass
+    assert sum(d for d, _ in drafted["selfspec-tree"]) > 2 * sum(d for d, _ in drafted["selfspec"])
+    assert "trees of top-4, 16 nodes" in res.setup["engine_settings"]["selfspec-tree"]
 
 
 def test_sampling_mode_reports_speed_not_exactness(model):

@@ -168,6 +168,20 @@ def test_planted_optimum_is_found_first(tmp_path):
     assert result.report["cost_model"]["acceptance_profile"]["2"]["agreement"] == 1.0
 
 
+def test_tree_shapes_join_the_study(tmp_path):
+    """With trees in the space, tree trials are predicted, measured and exact, and the best tree is kept apart
+    from the best chain in per_drafter (the bench's selfspec-tree reads "early_exit-tree")."""
+    model = make_model("llama", 4, agreeable=False)
+    spec = _spec(exit_layer=[2], max_draft_tokens=[2, 3], draft_tree_top_k=[1, 3], draft_tree_size=[6])
+    result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=4, **QUIET)
+    trials = [t for t in result.report["trials"] if t.get("measured", True) and "tokens_per_s" in t]
+    trees = [t for t in result.report["trials"] if t["params"].get("draft_tree_top_k", 1) > 1]
+    assert trees and all("predicted_tokens_per_s" in t for t in trees), result.report["trials"]
+    assert result.report["all_outputs_match_plain"], trials
+    per = json.load(open(tmp_path / "selfspec_config.json"))["metadata"]["calibration"]["per_drafter"]
+    assert per["early_exit-tree"]["draft_tree_top_k"] == 3 and per["early_exit"]["draft_tree_top_k"] == 1
+
+
 def test_resume_adds_trials_to_the_same_study(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     model = make_model("llama", 4)
@@ -211,6 +225,8 @@ def test_written_config_loads_and_generates_like_plain(tmp_path):
     ({"max_draft_tokens": [2, 0]}, r"max_draft_tokens must be >= 1"),
     ({"draft_confidence_threshold": {"min": 0.5, "max": 1.5}}, r"draft_confidence_threshold needs"),
     ({"drafter": ["early_exit", "magic"]}, r"space.drafter must list"),
+    ({"draft_tree_top_k": [0, 2]}, r"draft_tree_top_k must be >= 1"),
+    ({"draft_tree_size": {"min": 1, "max": 4}}, r"draft_tree_size must be >= 2"),
 ])
 def test_bad_space_fails_before_any_trial(tmp_path, space, message):
     model = make_model("llama", 6)
@@ -257,3 +273,41 @@ def test_prompt_files(tmp_path):
     default = load_calibration_texts(None, 8)  # Spec-Bench train split: one per MT-bench category
     assert len(default) == 8 and len(set(default)) == 8
     assert pick_prompts([("a", "1"), ("a", "2"), ("b", "3")], 2) == ["1", "3"]
+
+
+@pytest.mark.parametrize("k,top_k,size", [(3, 2, 8), (4, 3, 9), (5, 4, 6), (2, 4, 16)])
+def test_tree_shape_is_what_the_drafter_grows(monkeypatch, k, top_k, size):
+    """The cost model's tree (cost_model.tree_shape) has the widths and node count of the trees the drafter
+    grows (threshold 0, full depth budget), since both read drafters.tree.frontier_width."""
+    import selfspec.drafters.early_exit as early_exit
+
+    grown, original = [], early_exit.grow_tree
+
+    def spy(state, run_level, depth, *args):
+        draft = original(state, run_level, depth, *args)
+        grown.append((depth, draft.hidden.shape[1], draft.tokens.shape[1]))
+        return draft
+
+    monkeypatch.setattr(early_exit, "grow_tree", spy)
+    model = make_model("llama", 4)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=k, draft_tree_top_k=top_k, draft_tree_size=size)
+    model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16, **GEN)
+    widths, nodes = cost_model.tree_shape(k, top_k, size)
+    full = [(run, n) for depth, run, n in grown if depth == k]
+    assert full and set(full) == {(sum(widths), nodes)}, (grown, widths, nodes)
+
+
+def test_tree_replay_with_a_sure_head_accepts_the_whole_depth():
+    """A head whose top choice is always right: a tree accepts as much as the chain, drafting its whole shape."""
+    n, k = 30, 4
+    sure = cost_model.LayerAcceptance(2, agree=[[True] * n], conf=[[1.0] * n], rank=[[0] * n])
+    eos = [[False] * n]
+    chain = cost_model.simulate(sure, eos, k, 0.0, max_new_tokens=n)
+    tree = cost_model.simulate_tree(sure, eos, k, 3, 10, 0.0, max_new_tokens=n)
+    assert (tree.steps, tree.accepted, tree.new_tokens) == (chain.steps, chain.accepted, chain.new_tokens)
+    widths, nodes = cost_model.tree_shape(k, 3, 10)
+    assert tree.verify_width[nodes + 1] >= tree.steps - 2  # all but the budget-cut last steps draft the whole tree
+    # the answer's token always second in the head's ranking: a chain gets nothing, a tree with 2 children all
+    second = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.5] * n], rank=[[1] * n])
+    assert cost_model.simulate_tree(second, eos, k, 2, 8, 0.0, max_new_tokens=n).accepted == chain.accepted
+    assert cost_model.simulate(second, eos, k, 0.0, max_new_tokens=n).accepted == 0

@@ -94,14 +94,15 @@ def test_greedy_identity_every_family_and_shape(family):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "qwen3"])
 def test_greedy_identity_padded_batch(family):
-    """Rows of different lengths, each with its own tree and accepted path, in one pass."""
+    """Rows of different lengths, each with its own tree and accepted path, in one pass; with a confidence
+    threshold, trees that stop growing early or have no nodes at all."""
     model = make_model(family, 4)
     ids, mask = padded_batch(seed=2)
     ref = model.generate(ids, attention_mask=mask, **GEN)
-    for exit_layer, (k, top_k, size) in ((1, SHAPES[1]), (2, SHAPES[2])):
+    for exit_layer, (k, top_k, size), threshold in ((1, SHAPES[1], 0.0), (2, SHAPES[2], 0.0), (2, SHAPES[2], 0.3)):
         out, _ = _generate(model, ids, mask, exit_layer=exit_layer, max_draft_tokens=k, draft_tree_top_k=top_k,
-                           draft_tree_size=size)
-        assert torch.equal(out, ref), (family, exit_layer, k)
+                           draft_tree_size=size, draft_confidence_threshold=threshold)
+        assert torch.equal(out, ref), (family, exit_layer, k, threshold)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -64,7 +64,7 @@ class EarlyExitDrafter(Drafter):
             return Draft.empty(state.batch, state.device)
         if state.settings.tree_top_k > 1:
             draft = grow_tree(state, lambda x, p: self.run_level(state, x, p), k, state.settings.tree_top_k,
-                              state.settings.tree_size)
+                              state.settings.tree_size, self.threshold)
             return dataclasses.replace(draft, hidden_layer=self.exit_layer)
         x = state.pending
         active = ~state.finished

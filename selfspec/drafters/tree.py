@@ -10,15 +10,20 @@ Children are deterministic (top-k, not sampled), so in sampling mode each is a p
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..trees import tree_ancestors
 from .base import Draft
 
 
-def grow_tree(state, run_level, depth: int, top_k: int, size: int) -> Draft:
+def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: float = 0.0) -> Draft:
     """run_level(inputs (B, F), positions (B, F)) -> (layer-E states (B, F, H), draft logits (B, F, V)).
-    Returns a tree Draft of at most `size` nodes and `depth` levels per row (parents, hidden, no q)."""
+    Returns a tree Draft of at most `size` nodes and `depth` levels per row (parents, hidden, no q).
+
+    threshold: the chain's confidence rule for trees: growth stops once no row has a child whose cumulative draft
+    probability reaches it, and leaves below it are left out (as far as every row agrees)."""
     b, device = state.batch, state.device
     slots, base = state.ctx.slots, state.ctx.cache.layer_length(0)
     run_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
@@ -36,7 +41,9 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int) -> Draft:
         score = (frontier_score[..., None] + top_logp).flatten(1)  # (B, F * top_k)
         tokens = top_tokens.flatten(1)
         parents = frontier_inputs[..., None].expand(-1, -1, top_k).flatten(1)
-        width = min(top_k, size - run_tokens.shape[1]) if level < depth else 0
+        width = frontier_width(level, depth, top_k, size, run_tokens.shape[1])
+        if threshold > 0 and width > 0 and not bool((score >= math.log(threshold)).any()):
+            width = 0  # nothing worth running through [0, E) again
         if width > 0:  # nothing is drafted after an EOS, so an EOS child is expanded last
             pick = score.masked_fill(state.is_eos(tokens), float("-inf")).topk(width, dim=-1).indices
             frontier, frontier_score = tokens.gather(1, pick), score.gather(1, pick)
@@ -48,16 +55,26 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int) -> Draft:
         if width == 0:
             break
     slots.tree = None  # the loop sets the whole tree's mask before it verifies
-    tokens, parents = _with_best_leaves(run_tokens, run_parents, leaves, size)
-    draft_len = torch.full((b,), tokens.shape[1], dtype=torch.long, device=device)
-    return Draft(tokens=tokens, draft_len=draft_len, hidden=torch.cat(hiddens, dim=1), parents=parents)
+    tokens, parents = _with_best_leaves(run_tokens, run_parents, leaves, size, threshold)
+    draft_len = torch.full((b,), tokens.shape[1], dtype=torch.long, device=device).masked_fill(state.finished, 0)
+    return Draft(tokens=tokens, draft_len=draft_len, hidden=torch.cat(hiddens, dim=1),
+                 parents=parents if tokens.shape[1] else None)
 
 
-def _with_best_leaves(run_tokens, run_parents, leaves, size: int):
+def frontier_width(level: int, depth: int, top_k: int, size: int, run: int) -> int:
+    """Nodes of level `level` (1-based: the root's children) to run through [0, E) and expand, when `run` nodes
+    already were: top_k while they fit in `size`, none at the last level. The one statement of the tree's shape;
+    the cost model (tools.cost_model.tree_shape) replays it."""
+    return min(top_k, size - run) if level < depth else 0
+
+
+def _with_best_leaves(run_tokens, run_parents, leaves, size: int, threshold: float):
     """Append the best size - (run nodes) leaves by cumulative score, most probable first (the order in which
-    sampling tries siblings)."""
+    sampling tries siblings); with a threshold, only as many as the row with most leaves above it has."""
     tokens, parents, score = (torch.cat(parts, dim=1) for parts in zip(*leaves))
     count = min(size - run_tokens.shape[1], tokens.shape[1])
+    if threshold > 0:
+        count = min(count, int((score >= math.log(threshold)).sum(dim=1).max()))
     pick = score.topk(count, dim=-1).indices
     return (torch.cat([run_tokens, tokens.gather(1, pick)], dim=1),
             torch.cat([run_parents, parents.gather(1, pick)], dim=1))

@@ -169,8 +169,10 @@ class HFMethod(Method):
 class EngineMethod(Method):
     """The model wrapped by selfspec with a drafter; `trained` adds the heads/config of --heads (or shipped)."""
 
-    def __init__(self, description: str, drafter: str, trained: bool = False, oracle: bool = False):
+    def __init__(self, description: str, drafter: str, trained: bool = False, oracle: bool = False,
+                 tree: bool = False):
         self.description, self.drafter, self.trained, self.oracle = description, drafter, trained, oracle
+        self.tree = tree  # draft trees (the calibrated tree shape, else DEFAULT_TREE)
 
     def run(self, h, batch, reference, max_new):
         if self.oracle:
@@ -181,7 +183,7 @@ class EngineMethod(Method):
         import selfspec
         from ..drafters.oracle import OracleDrafter
 
-        selfspec.wrap(h.model, h.engine_config(self.drafter, self.trained))
+        selfspec.wrap(h.model, h.engine_config(self.drafter, self.trained, self.tree))
         try:
             engine = h.model.selfspec
             for head in (h.heads.values() if self.trained else ()):
@@ -225,7 +227,11 @@ METHODS: dict[str, Method] = {
                            oracle=True),
     "selfspec-ngram": EngineMethod("selfspec, prompt-lookup n-gram drafter", "ngram"),
     "selfspec-hybrid": EngineMethod("selfspec, n-gram or early-exit drafter per row", "hybrid", trained=True),
+    "selfspec-tree": EngineMethod("selfspec with trained heads, drafting trees", "early_exit", trained=True,
+                                  tree=True),
 }
+# The tree shape of selfspec-tree when the calibration recorded none (per_drafter["early_exit-tree"]).
+DEFAULT_TREE = {"draft_tree_top_k": 4, "draft_tree_size": 16}
 CORE_METHODS = ("hf-greedy", "hf-early-exit", "hf-prompt-lookup", "selfspec-untrained", "selfspec", "selfspec-ar",
                 "oracle")
 
@@ -320,13 +326,16 @@ class Harness:
                          chunk=self.base_config.max_draft_tokens + 1)
         return judge_row
 
-    def engine_config(self, drafter: str, trained: bool) -> SelfSpecConfig:
+    def engine_config(self, drafter: str, trained: bool, tree: bool = False) -> SelfSpecConfig:
         """The config of an engine method: each drafter at the best setting the calibrator measured for it
         (`metadata.calibration.per_drafter`), unless the command line fixed E or K. Settings found with trained
-        heads are not given to the untrained head; the n-gram drafter has no heads and takes its own."""
+        heads are not given to the untrained head; the n-gram drafter has no heads and takes its own. A tree
+        method takes the drafter's calibrated tree (key "<drafter>-tree"), else its chain's with DEFAULT_TREE."""
         config = self.base_config if trained else SelfSpecConfig(
             exit_layer=self.base_config.exit_layer, max_draft_tokens=self.base_config.max_draft_tokens)
         tuned = dict(self.per_drafter.get(drafter, {})) if (trained or drafter == "ngram") else {}
+        if tree:
+            tuned = dict(self.per_drafter.get(f"{drafter}-tree") or {**tuned, **DEFAULT_TREE})
         if drafter == "oracle" and self.oracle_k is not None:
             tuned["max_draft_tokens"] = self.oracle_k
         for fixed, key in ((self.cfg.exit_layer, "exit_layer"), (self.cfg.max_draft_tokens, "max_draft_tokens")):
@@ -337,8 +346,8 @@ class Harness:
     def bound_oracle(self, registry: dict, names: list[str]) -> None:
         """The oracle drafts at the longest K of any other engine method in the run, so that it bounds them all
         (a method drafting up to 7 tokens could otherwise beat an oracle held to 4)."""
-        ks = [self.engine_config(registry[n].drafter, registry[n].trained).max_draft_tokens for n in names
-              if isinstance(registry[n], EngineMethod) and not registry[n].oracle]
+        ks = [self.engine_config(registry[n].drafter, registry[n].trained, registry[n].tree).max_draft_tokens
+              for n in names if isinstance(registry[n], EngineMethod) and not registry[n].oracle]
         self.oracle_k = max(ks) if ks else None
 
     def generate_kwargs(self, max_new: int) -> dict:
@@ -534,7 +543,8 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
              "hf_early_exit_layer": h.hf_exit_layer if "hf-early-exit" in names else None,
              "hf_early_exit_tuning_tokens_per_s": {str(k): v for k, v in tuning.items()},
              "num_layers": h.num_layers, "skipped_methods": skipped,
-             "engine_settings": {n: engine_settings(h.engine_config(registry[n].drafter, registry[n].trained))
+             "engine_settings": {n: engine_settings(h.engine_config(registry[n].drafter, registry[n].trained,
+                                                                    registry[n].tree))
                                  for n in names if isinstance(registry[n], EngineMethod)},
              "methods": {n: registry[n].description for n in names}}
     mismatches = [{"method": r.method, "category": r.category, **m} for r in records for m in r.mismatches]
@@ -549,6 +559,8 @@ def engine_settings(config: SelfSpecConfig) -> str:
         parts.insert(0, f"E={config.exit_layer}")
         if config.draft_confidence_threshold:
             parts.append(f"threshold {config.draft_confidence_threshold:g}")
+    if config.draft_tree_top_k > 1:
+        parts.append(f"trees of top-{config.draft_tree_top_k}, {config.draft_tree_size} nodes")
     if config.drafter in ("ngram", "hybrid"):
         parts.append(f"n-gram {config.ngram_min}..{config.ngram_max}")
     if config.drafter == "hybrid":

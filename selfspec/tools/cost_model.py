@@ -44,6 +44,9 @@ class LayerAcceptance:
     exit_layer: int
     agree: list[list[bool]]  # [sequence][i]
     conf: list[list[float]]  # [sequence][i], head's top probability
+    # [sequence][i]: tokens the head finds likelier than answer token i (0 = its top choice; a token outside a
+    # draft vocabulary gets the vocabulary's size): a tree with top_k children holds it when rank < top_k
+    rank: list[list[int]] = field(default_factory=list)
 
     @property
     def agreement(self) -> float:
@@ -65,15 +68,22 @@ class LayerAcceptance:
         return [p / t if t else 0.0 for p, t in zip(passed, tried)]
 
 
-def _head_drafts(engine, exit_layer: int, states, answer: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft token ids (N,) and the head's top probability (N,) at the `answer` rows of a text whose hidden
-    states (HF's tuple: embeddings, each layer's output, the last one final-normed) are given."""
+def _head_drafts(engine, exit_layer: int, states, rows: slice, answer: torch.Tensor):
+    """Draft token ids (N,), the head's top probability (N,) and the rank of each answer token (N,) at the `rows`
+    of a text whose hidden states (HF's tuple: embeddings, each layer's output, the last one final-normed) are
+    given; answer (N,) holds the tokens the full model emitted there."""
     head = engine.head_for(exit_layer)
-    logits = teacher_forced_logits(head, states, engine.adapter, answer).float()  # (N, V_draft)
+    logits = teacher_forced_logits(head, states, engine.adapter, rows).float()  # (N, V_draft)
     probs = logits.softmax(-1)
     conf, idx = probs.max(-1)
-    tokens = head.token_ids(idx)
-    return tokens, conf
+    column = answer.to(probs.device)
+    if head.vocab_ids is not None:  # the answer token's column in the draft vocabulary, -1 outside it
+        lookup = torch.full((engine.adapter.vocab_size,), -1, dtype=torch.long, device=probs.device)
+        lookup[head.vocab_ids.to(probs.device)] = torch.arange(head.vocab_ids.numel(), device=probs.device)
+        column = lookup[column]
+    p_answer = probs.gather(1, column.clamp(min=0)[:, None])
+    rank = (probs > p_answer).sum(-1).masked_fill(column < 0, probs.shape[-1])
+    return head.token_ids(idx), conf, rank
 
 
 @torch.no_grad()
@@ -87,9 +97,10 @@ def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]
         states = model(ids, output_hidden_states=True).hidden_states  # L + 1 of (1, P + N, H)
         for e in exit_layers:
             # position P - 1 + i predicts answer token i; hidden_states[e] is the input of layer e
-            tokens, conf = _head_drafts(engine, e, states, slice(p - 1, p - 1 + n))
+            tokens, conf, rank = _head_drafts(engine, e, states, slice(p - 1, p - 1 + n), seq.answer)
             out[e].agree.append((tokens.cpu() == seq.answer.cpu()).tolist())
             out[e].conf.append(conf.cpu().tolist())
+            out[e].rank.append(rank.cpu().tolist())
     return out
 
 
@@ -200,6 +211,7 @@ class Counts:
     drafted: int = 0
     accepted: int = 0
     draft_passes: int = 0  # single-token passes through layers [0, E) + head while drafting
+    draft_width: dict[int, int] = field(default_factory=dict)  # trees: T -> level passes of T tokens
     fresh_early: int = 0  # verify inputs that had not been through [0, E) yet (1 token each)
     verify_width: dict[int, int] = field(default_factory=dict)  # T -> steps verifying T tokens
 
@@ -256,6 +268,70 @@ def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold:
     return c
 
 
+# --- draft trees ----------------------------------------------------------------------------------------------
+def tree_shape(depth: int, top_k: int, size: int) -> tuple[list[int], int]:
+    """(widths, nodes) of a tree grown to `depth` levels without a threshold: widths[d] nodes are run through
+    [0, E) at depth d (widths[0] = 1, the root), `nodes` are drafted in all. drafters.tree.frontier_width's rule."""
+    from ..drafters.tree import frontier_width
+
+    widths, run, leaves = [1], 0, 0
+    for level in range(1, depth + 1):
+        width = frontier_width(level, depth, top_k, size, run)
+        leaves += widths[-1] * top_k - width
+        if width == 0:
+            break
+        widths.append(width)
+        run += width
+    return widths, run + min(size - run, leaves)
+
+
+def _tree_block(rank, conf, start: int, k: int, top_k: int, size: int, threshold: float, eos) -> tuple:
+    """One tree step from answer token `start`, approximated along the answer's own path: the node at depth d
+    exists when the head ranks its token below top_k and its parent was among the widths[d - 1] nodes expanded
+    (taken as: ranked below that width); growth stops where the path's product of top probabilities falls below
+    the threshold. Returns (level widths run, nodes drafted, accepted)."""
+    widths, nodes = tree_shape(k, top_k, size)
+    accepted, sure = 0, 1.0
+    for d in range(1, len(widths) + 1):
+        i = start + d - 1
+        if rank[i] >= top_k or (d > 1 and rank[i - 1] >= widths[d - 1]):
+            break
+        accepted = d
+        if eos[i]:
+            break
+    if threshold > 0:  # levels whose best node is below the threshold are not grown
+        for d in range(1, len(widths)):
+            sure *= conf[min(start + d - 1, len(conf) - 1)]
+            if sure < threshold:
+                widths = widths[:d]
+                break
+    return widths, nodes, accepted
+
+
+def simulate_tree(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, top_k: int, size: int,
+                  threshold: float, max_new_tokens: int | None = None) -> Counts:
+    """Replay the greedy loop (replay.replay_greedy) with draft trees of the given shape: level passes of
+    widths[d] tokens through [0, E) and the head, then one verify pass over the root and every node."""
+    c = Counts()
+    for rank, conf, is_eos in zip(acc.rank, acc.conf, eos):
+
+        def step(done: int, k: int) -> int:
+            widths, nodes, accepted = _tree_block(rank, conf, done, k, top_k, size, threshold, is_eos)
+            for w in widths:
+                c.draft_width[w] = c.draft_width.get(w, 0) + 1
+            c.fresh_early += nodes + 1 - sum(widths)
+            c.verify_width[nodes + 1] = c.verify_width.get(nodes + 1, 0) + 1
+            c.drafted += nodes
+            c.accepted += accepted
+            return min(accepted, k)
+
+        n = len(rank)
+        c.new_tokens += n
+        c.prefills += 1
+        c.steps += replay_greedy(n, _max_new(n, is_eos, max_new_tokens), k_max, step) - 1
+    return c
+
+
 @dataclass
 class Prediction:
     tokens_per_s: float
@@ -268,6 +344,8 @@ def predict_seconds(counts: Counts, timings: Timings, exit_layer: int) -> float:
     """Wall time of the replayed decode on this device."""
     t = timings
     draft = counts.draft_passes * (t.embed + t.layers(exit_layer, 1) + t.head[exit_layer] + t.draft_overhead)
+    draft += sum(passes * (t.embed + t.layers(exit_layer, width) + width * t.head[exit_layer] + t.draft_overhead)
+                 for width, passes in counts.draft_width.items())
     fresh = counts.fresh_early * (t.embed + t.layers(exit_layer, 1))
     verify = sum(steps * (t.layers(t.num_layers - exit_layer, width) + t.lm_head[min(width, len(t.lm_head) - 1)])
                  for width, steps in counts.verify_width.items())
@@ -275,8 +353,12 @@ def predict_seconds(counts: Counts, timings: Timings, exit_layer: int) -> float:
 
 
 def predict(acc: LayerAcceptance, eos: list[list[bool]], timings: Timings, k_max: int, threshold: float,
-            max_new_tokens: int | None = None) -> Prediction:
-    counts = simulate(acc, eos, k_max, threshold, max_new_tokens)
+            max_new_tokens: int | None = None, tree: tuple[int, int] | None = None) -> Prediction:
+    """tree: (top_k, size) of draft trees; None or top_k 1 for chains."""
+    if tree is not None and tree[0] > 1:
+        counts = simulate_tree(acc, eos, k_max, tree[0], tree[1], threshold, max_new_tokens)
+    else:
+        counts = simulate(acc, eos, k_max, threshold, max_new_tokens)
     seconds = predict_seconds(counts, timings, acc.exit_layer)
     return Prediction(counts.new_tokens / seconds if seconds > 0 else 0.0, seconds,
                       counts.mean_accepted_tokens, counts.acceptance_rate)

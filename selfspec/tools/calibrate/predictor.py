@@ -11,7 +11,7 @@ import torch
 from ...config import SelfSpecConfig
 from .. import cost_model
 from ..measure import eos_ids_of
-from .space import MeasureSpec, SearchSpace, trial_config
+from .space import MeasureSpec, SearchSpace, tree_key, trial_config
 from .trials import generate_once
 
 
@@ -47,9 +47,10 @@ class Predictor:
     def _compute(self, params: dict) -> cost_model.Prediction | None:
         drafter = params.get("drafter")
         if drafter == "early_exit" and params["exit_layer"] in self.acceptance:
-            return cost_model.predict(self.acceptance[params["exit_layer"]], self.eos, self.timings,
-                                      params["max_draft_tokens"], params["draft_confidence_threshold"],
-                                      self.max_new_tokens)
+            k = params["max_draft_tokens"]
+            tree = (params.get("draft_tree_top_k", 1), max(params.get("draft_tree_size", k), k))
+            return cost_model.predict(self.acceptance[params["exit_layer"]], self.eos, self.timings, k,
+                                      params["draft_confidence_threshold"], self.max_new_tokens, tree)
         if drafter == "ngram" and self.ngram.get("lookup_seconds") is not None:
             counts = cost_model.simulate_ngram(self.sequences, self._ngram_proposals(params["ngram_max"]), self.eos,
                                                params["max_draft_tokens"], self.max_new_tokens)
@@ -69,23 +70,26 @@ class Predictor:
             for e in space.exit_layers:
                 for k in ks:
                     for thr in space.threshold_grid():
-                        self.predict(_early_params(e, k, thr))
+                        for top_k, size in (space.tree_shapes() if space.searches_trees else [(None, 0)]):
+                            self.predict(_early_params(e, k, thr, top_k, size))
         if "ngram" in space.drafters:
             for k in ks:
                 for n in space.ngram_max:
                     self.predict({"drafter": "ngram", "max_draft_tokens": k, "ngram_max": n})
 
     def best(self, top: int) -> list[tuple[dict, cost_model.Prediction]]:
-        """The `top` best predictions, one per (drafter, exit layer, K), plus the best of each drafter."""
+        """The `top` best predictions, one per (drafter, exit layer, K, tree or not), plus the best of each
+        drafter (trees counted apart from chains)."""
         ranked = sorted(self.grid.values(), key=lambda item: item[1].tokens_per_s, reverse=True)
         picked, groups = [], set()
         for params, prediction in ranked:
-            group = (params["drafter"], params.get("exit_layer"), params["max_draft_tokens"])
+            group = (params["drafter"], params.get("exit_layer"), params["max_draft_tokens"],
+                     params.get("draft_tree_top_k", 1))
             if group not in groups and len(picked) < top:
                 groups.add(group)
                 picked.append((params, prediction))
-        for drafter in {p["drafter"] for p, _ in ranked} - {p["drafter"] for p, _ in picked}:
-            picked.append(next(item for item in ranked if item[0]["drafter"] == drafter))
+        for key in {tree_key(p) for p, _ in ranked} - {tree_key(p) for p, _ in picked}:
+            picked.append(next(item for item in ranked if tree_key(item[0]) == key))
         return picked
 
     def plain_tokens_per_s(self) -> float:
@@ -99,9 +103,15 @@ class Predictor:
                 for e, a in self.acceptance.items()}
 
 
-def _early_params(exit_layer: int, k: int, threshold: float) -> dict:
-    return {"drafter": "early_exit", "exit_layer": exit_layer, "max_draft_tokens": k,
-            "draft_confidence_threshold": threshold}
+def _early_params(exit_layer: int, k: int, threshold: float, top_k: int | None = None, size: int = 0) -> dict:
+    """The params `suggest` gives an early-exit trial: tree keys only when the space searches trees."""
+    params = {"drafter": "early_exit", "exit_layer": exit_layer, "max_draft_tokens": k,
+              "draft_confidence_threshold": threshold}
+    if top_k is not None:
+        params["draft_tree_top_k"] = top_k
+    if top_k is not None and top_k > 1:
+        params["draft_tree_size"] = size
+    return params
 
 
 def _engine_seconds(model, config: SelfSpecConfig, prompt, new_tokens: int, repeats: int = 2) -> dict:
@@ -144,8 +154,8 @@ def build_predictor(model, base: SelfSpecConfig, prompts, answers, space: Search
     sequences = [cost_model.Sequence(p, a.to(p.device)) for p, a in zip(prompts, answers) if a.numel()]
     exits = space.exit_layers if "early_exit" in space.drafters else []
     acceptance = cost_model.measure_acceptance(engine, sequences, exits) if exits else {}
-    timings = cost_model.measure_timings(engine, prompts, exits, space.max_draft_tokens[-1] + 1,
-                                         measure.timing_repeats)
+    widest = max([space.max_draft_tokens[-1]] + [n for t, n in space.tree_shapes() if t > 1])  # nodes per pass
+    timings = cost_model.measure_timings(engine, prompts, exits, widest + 1, measure.timing_repeats)
     loop = _loop_overheads(model, base, prompts[0], space, min(16, measure.max_new_tokens))
     timings = cost_model.fit_overheads(timings, loop["none_step"], loop.get("draft_token"),
                                        exits[0] if exits else None)

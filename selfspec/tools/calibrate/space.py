@@ -31,6 +31,9 @@ class SpaceSpec:
     ngram_max: object = field(default_factory=lambda: {"min": 2, "max": 5})
     hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
     hybrid_extend: object = field(default_factory=lambda: [True, False])
+    # early_exit only: children per tree node (1 = chains; [1] alone searches no trees) and nodes per tree
+    draft_tree_top_k: object = field(default_factory=lambda: [1])
+    draft_tree_size: object = field(default_factory=lambda: {"min": 4, "max": 16, "step": 2})
 
 
 @dataclass
@@ -121,6 +124,16 @@ class SearchSpace:
     ngram_max: list[int]
     hybrid_min_match: list[int] = field(default_factory=lambda: [2])
     hybrid_extend: list[bool] = field(default_factory=lambda: [True])
+    tree_top_k: list[int] = field(default_factory=lambda: [1])
+    tree_sizes: list[int] = field(default_factory=lambda: [8])
+
+    @property
+    def searches_trees(self) -> bool:
+        return self.tree_top_k != [1]
+
+    def tree_shapes(self) -> list[tuple[int, int]]:
+        """(top_k, size) pairs of the space; (1, 0) stands for chains."""
+        return [(1, 0)] * (1 in self.tree_top_k) + [(t, n) for t in self.tree_top_k if t > 1 for n in self.tree_sizes]
 
     def threshold_grid(self) -> list[float]:
         lo, hi, step = self.thresholds
@@ -185,7 +198,9 @@ def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], reg
         drafters=_resolve_drafters(s.drafter, registered, src),
         ngram_max=_int_range(s.ngram_max, "ngram_max", src),
         hybrid_min_match=_int_range(s.hybrid_min_match, "hybrid_min_match", src),
-        hybrid_extend=sorted(set(extend), reverse=True))
+        hybrid_extend=sorted(set(extend), reverse=True),
+        tree_top_k=_int_range(s.draft_tree_top_k, "draft_tree_top_k", src),
+        tree_sizes=_int_range(s.draft_tree_size, "draft_tree_size", src, minimum=2))
 
 
 def _resolve_exits(value, num_layers: int, head_layers: list[int], source: str) -> list[int]:
@@ -226,6 +241,10 @@ def suggest(trial, space: SearchSpace) -> dict:
         lo, hi, step = space.thresholds
         params["draft_confidence_threshold"] = trial.suggest_float(
             "draft_confidence_threshold", lo, hi, step=step or None)
+    if params["drafter"] == "early_exit" and space.searches_trees:  # the drafter that grows trees
+        params["draft_tree_top_k"] = _suggest_from(trial, "draft_tree_top_k", space.tree_top_k)
+        if params["draft_tree_top_k"] > 1:
+            params["draft_tree_size"] = _suggest_from(trial, "draft_tree_size", space.tree_sizes)
     if params["drafter"] in NGRAM_DRAFTERS:
         params["ngram_max"] = _suggest_from(trial, "ngram_max", space.ngram_max)
     if params["drafter"] == "hybrid":
@@ -245,13 +264,21 @@ def trial_config(base: SelfSpecConfig, params: dict) -> SelfSpecConfig:
     config = base.replace(**params)
     if config.ngram_min > config.ngram_max:
         config = config.replace(ngram_min=config.ngram_max)
+    if config.draft_tree_top_k > 1 and config.draft_tree_size < config.max_draft_tokens:
+        config = config.replace(draft_tree_size=config.max_draft_tokens)  # a tree as deep as K needs K nodes
     return config
+
+
+def tree_key(params: dict) -> str:
+    """The name a setting's best is recorded under in per_drafter: the drafter, "-tree" for draft trees."""
+    return params.get("drafter", "early_exit") + ("-tree" if params.get("draft_tree_top_k", 1) > 1 else "")
 
 
 def describe(params: dict) -> str:
     parts = [params["drafter"]]
     for key, short in (("exit_layer", "E"), ("max_draft_tokens", "K"), ("draft_confidence_threshold", "thr"),
-                       ("ngram_max", "n"), ("hybrid_min_match", "match"), ("hybrid_extend", "extend")):
+                       ("draft_tree_top_k", "top_k"), ("draft_tree_size", "size"), ("ngram_max", "n"),
+                       ("hybrid_min_match", "match"), ("hybrid_extend", "extend")):
         if key in params:
             value = params[key]
             parts.append(f"{short}={value:.2f}" if isinstance(value, float) else f"{short}={value}")

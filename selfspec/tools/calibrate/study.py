@@ -17,7 +17,8 @@ from ..measure import environment as measure_environment
 from ..measure import model_identity
 from .predictor import MODELLED_DRAFTERS, Predictor, build_predictor
 from .report import REPORT_NAME, build_report, save_result
-from .space import EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, resolve_space, suggest, trial_config
+from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, resolve_space, suggest, trial_config,
+                    tree_key)
 from .trials import Measurement, generate_once, time_generation, time_setting
 
 
@@ -190,10 +191,11 @@ def top_settings(study, count: int) -> list:
 
 def best_per_drafter(study) -> dict[str, dict]:
     """{drafter: params of its fastest measured trial}, so that each drafter can be run at its own best setting
-    (an n-gram drafter wants other K than an exit head; the bench reads this)."""
+    (an n-gram drafter wants other K than an exit head; the bench reads this). Trees count as a drafter of their
+    own, "early_exit-tree", so that a chain's best is kept next to the best tree."""
     best: dict[str, tuple[float, dict]] = {}
     for t in _measured(study):
-        drafter = t.params.get("drafter", "early_exit")
+        drafter = tree_key(t.params)
         if drafter not in best or t.value > best[drafter][0]:
             best[drafter] = (t.value, dict(t.params))
     return {d: params for d, (_, params) in sorted(best.items())}
