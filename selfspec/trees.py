@@ -122,3 +122,36 @@ def gather_inputs(x: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     """(B, N + 1, ...) values per verify input -> (B, D, ...) along (B, D) path input indices."""
     index = path.view(*path.shape, *([1] * (x.dim() - 2))).expand(*path.shape, *x.shape[2:])
     return x.gather(1, index)
+
+
+def merge_branches(branches: list[list[int]], size: int) -> tuple[list[int], list[int]]:
+    """Token chains that all start at the root -> (tokens, parents) of their trie, at most `size` nodes: chains
+    sharing a prefix share its nodes, nodes come in chain order (each chain's new nodes after the earlier ones),
+    so parents precede children and earlier chains are tried first."""
+    index: dict[tuple[int, int], int] = {}  # (parent input, token) -> input index
+    tokens: list[int] = []
+    parents: list[int] = []
+    for chain in branches:
+        parent = 0
+        for token in chain:
+            if (parent, token) not in index:
+                if len(tokens) == size:
+                    break
+                tokens.append(token)
+                parents.append(parent)
+                index[(parent, token)] = len(tokens)
+            parent = index[(parent, token)]
+    return tokens, parents
+
+
+def pack_trees(trees: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (tokens, parents) lists -> tokens (B, N), parents (B, N), draft_len (B,); rows with fewer nodes
+    are padded with nodes under the root that verification never tries (they lie past draft_len)."""
+    width = max((len(t) for t, _ in trees), default=0)
+    tokens = torch.zeros(len(trees), width, dtype=torch.long)
+    parents = torch.zeros_like(tokens)
+    for row, (t, p) in enumerate(trees):
+        tokens[row, : len(t)] = torch.tensor(t, dtype=torch.long)
+        parents[row, : len(p)] = torch.tensor(p, dtype=torch.long)
+    draft_len = torch.tensor([len(t) for t, _ in trees], dtype=torch.long)
+    return tokens.to(device), parents.to(device), draft_len.to(device)

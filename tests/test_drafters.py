@@ -257,7 +257,8 @@ VOCAB, ROWS, STEPS = 10, 6000, 4  # 4 tokens: after the first, drafts of depth 2
 ALPHA = 1e-4
 SAMPLE = dict(do_sample=True, temperature=0.9, top_k=8, max_new_tokens=STEPS, pad_token_id=0)
 PROCESSORS = lp.LogitsProcessorList([lp.TemperatureLogitsWarper(0.9), lp.TopKLogitsWarper(8)])
-PROMPT = torch.tensor([[3, 7, 5, 3, 7, 5, 3, 7]])  # repeats, so that n-gram drafts are made
+PROMPT = torch.tensor([[3, 7, 5, 3, 7, 6, 3, 7]])  # repeats, so that n-gram drafts are made; "3 7" is followed by
+# two different tokens, so that an n-gram tree has two branches
 
 
 def _tiny(seed, layers=3):
@@ -283,6 +284,9 @@ SAMPLING_CASES = {
     "model": dict(exit_layer=1, max_draft_tokens=2),  # drafter: a separate random model
     # a draft tree: two levels, up to three children per node, checked by multi-candidate rejection
     "tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3, draft_tree_size=6),
+    "ngram-tree": dict(drafter="ngram", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3, draft_tree_size=6),
+    "hybrid-tree": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, hybrid_min_match=1, draft_tree_top_k=2,
+                        draft_tree_size=6),
 }
 
 
@@ -308,18 +312,19 @@ def test_sampling_matches_target(target_and_exact, case):
     assert min(pvalues) > ALPHA, pvalues
 
 
-@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+@pytest.mark.parametrize("case", sorted(c for c in SAMPLING_CASES if not c.endswith("tree")))
 def test_sampling_negative_control_fails(target_and_exact, case, monkeypatch):
     monkeypatch.setattr(selfspec.decoding, "choose", accept_everything)
     pvalues, _ = _sampled_pvalues(target_and_exact, case)
     assert min(pvalues[1:]) < ALPHA, pvalues  # the drafted positions are off
 
 
-def test_tree_sampling_negative_control_residual(target_and_exact, monkeypatch):
+@pytest.mark.parametrize("case", sorted(c for c in SAMPLING_CASES if c.endswith("tree")))
+def test_tree_sampling_negative_control_residual(target_and_exact, monkeypatch, case):
     """Planted bug in multi-candidate rejection: a rejected child stays in the residual that its later siblings
     are tested against and the verifier's token is drawn from, so drafted tokens come out too often."""
     import selfspec.trees
 
     monkeypatch.setattr(selfspec.trees, "residual_after_rejection", lambda r, x, q: r)
-    pvalues, _ = _sampled_pvalues(target_and_exact, "tree")
+    pvalues, _ = _sampled_pvalues(target_and_exact, case)
     assert min(pvalues) < ALPHA, pvalues

@@ -129,11 +129,11 @@ def test_a_tree_accepts_more_than_its_chain_on_a_flat_model():
     assert tree.mean_accepted_tokens > 1.2 * chain.mean_accepted_tokens, (tree, chain)
 
 
-@pytest.mark.parametrize("case", ["ngram", "penalty"])
+@pytest.mark.parametrize("case", ["draft-model", "penalty"])
 def test_chains_with_a_warning_where_a_tree_cannot_run(case):
     model = make_model("llama", 4)
     ids = prompt(seed=5, length=16)
-    extra = dict(drafter="ngram") if case == "ngram" else {}
+    extra = dict(drafter=make_model("llama", 1, seed=5)) if case == "draft-model" else {}
     gen = dict(GEN, repetition_penalty=1.3) if case == "penalty" else GEN
     ref = model.generate(ids, **gen)
     selfspec.wrap(model, exit_layer=2, max_draft_tokens=3, draft_tree_top_k=2, draft_tree_size=6, **extra)
@@ -144,7 +144,7 @@ def test_chains_with_a_warning_where_a_tree_cannot_run(case):
     finally:
         selfspec.unwrap(model)
     assert torch.equal(out, ref)
-    expected = "drafts chains only" if case == "ngram" else "RepetitionPenaltyLogitsProcessor"
+    expected = "'model' drafter drafts chains only" if case == "draft-model" else "RepetitionPenaltyLogitsProcessor"
     assert any(expected in str(w.message) and "instead of trees" in str(w.message) for w in caught), \
         [str(w.message) for w in caught]
 
@@ -179,3 +179,41 @@ def test_a_tree_larger_than_the_config_allows_is_refused():
             model.generate(prompt(seed=6), **GEN)
     finally:
         selfspec.unwrap(model)
+
+
+def test_merged_branches_share_their_prefixes():
+    from selfspec.trees import merge_branches
+
+    tokens, parents = merge_branches([[5, 6, 7], [5, 6, 9], [4], [5, 8]], size=10)
+    assert tokens == [5, 6, 7, 9, 4, 8] and parents == [0, 1, 2, 2, 0, 1]
+    assert merge_branches([[5, 6, 7], [4, 3]], size=4) == ([5, 6, 7, 4], [0, 1, 2, 0])  # cut at the size
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_ngram_branches_and_hybrid_trees_stay_exact(drafter):
+    """A prompt that repeats a phrase with different continuations: the n-gram drafter offers each as a branch
+    (the hybrid adds the head's tree), in a padded batch, and greedy output stays HF's."""
+    model = make_model("llama", 4)
+    phrase = [11, 12, 13]
+    row = phrase + [20, 21] + phrase + [30, 31] + phrase + [40, 41] + phrase
+    ids = torch.tensor([row, [0] * 4 + row[4:]])
+    mask = (ids != 0).long()
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    out, stats = _generate(model, ids, mask, drafter=drafter, exit_layer=2, max_draft_tokens=3, draft_tree_top_k=3,
+                           draft_tree_size=10, hybrid_min_match=2)
+    assert torch.equal(out, ref)
+    assert stats.drafted_tokens > 0
+
+
+def test_ngram_branches_are_the_recent_occurrences():
+    from types import SimpleNamespace
+
+    from selfspec.drafters.ngram import NgramDrafter
+
+    seq = torch.tensor([[1, 2, 7, 8, 1, 2, 9, 1, 2, 7, 5, 1, 2]])
+    state = SimpleNamespace(seq=seq, seq_len=torch.tensor([13]), lengths=[13], mask=None,
+                            finished=torch.tensor([False]), is_eos=lambda t: torch.zeros_like(t, dtype=torch.bool))
+    drafter = NgramDrafter(ngram_max=2)
+    drafter.prompt_pad = None
+    assert drafter.branches(state, 2, 3) == [[[7, 5], [9, 1], [7, 8]]]  # most recent "1 2" first
+    assert drafter.branches(state, 2, 3, min_match=3) == [[]]  # only a 2-token suffix matches

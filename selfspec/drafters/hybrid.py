@@ -20,23 +20,30 @@ costs one early-exit pass over its n-gram tokens plus one per head token.
 When no row needs the head (every live row has a strong match and nothing to extend), the step is a plain n-gram
 draft: no early-exit pass, Draft.hidden = None, and the verifier runs all layers over the drafts in one pass.
 
+With draft trees (draft_tree_top_k > 1) there is no choice to make: each row's tree holds the n-gram branches
+(several earlier occurrences, when its match is strong) and the head's tree, grown in the nodes left.
+
 In sampling mode q is one-hot on n-gram tokens (point mass: accepted with probability p(x), resampled from p with x
 removed) and the head's processed distribution on head tokens; both keep rejection sampling exact.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import torch
 
+from ..trees import merge_branches, pack_trees
 from .base import Draft, Drafter, choose_draft
 from .early_exit import EarlyExitDrafter
 from .ngram import NgramDrafter
+from .tree import grow_tree
 
 
 class HybridDrafter(Drafter):
     name = "hybrid"
     uses_early_layers = True
+    drafts_trees = True  # with trees: the head's tree and the n-gram branches together (see _tree)
 
     def __init__(self, early: EarlyExitDrafter, ngram: NgramDrafter, min_match: int = 2, extend: bool = True):
         if min_match < 1:
@@ -57,6 +64,8 @@ class HybridDrafter(Drafter):
     def propose(self, state, k: int) -> Draft:
         if k == 0:
             return Draft.empty(state.batch, state.device)
+        if state.settings.tree_top_k > 1:
+            return self._tree(state, k)
         found = self.ngram.lookup(state, k)
         strong = (found.match >= self.min_match) & (found.length > 0)
         forced_len = found.length.masked_fill(~strong, 0)  # (B,) n-gram tokens each row takes
@@ -107,6 +116,26 @@ class HybridDrafter(Drafter):
         q = _mixed_q(tokens[:, :width], head_q, state.vocab_size) if state.do_sample else None
         return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1),
                      hidden_layer=self.early.exit_layer)
+
+
+    def _tree(self, state, k: int) -> Draft:
+        """One tree per row: the n-gram branches of rows with a strong match (>= min_match) grafted under the root
+        next to the head's tree, which grows in the nodes they leave of draft_tree_size. The head's run nodes
+        come first (their layer-E states are the draft's hidden); the verifier runs the rest."""
+        size, top_k = state.settings.tree_size, state.settings.tree_top_k
+        branches = self.ngram.branches(state, k, top_k, self.min_match)
+        tokens, parents, lengths = pack_trees([merge_branches(b, size) for b in branches], state.device)
+        self.steps["tree" if tokens.shape[1] else "early_exit"] += 1
+        head = grow_tree(state, lambda x, p: self.early.run_level(state, x, p), k, top_k, size - tokens.shape[1],
+                         self.early.threshold)
+        width = head.tokens.shape[1]
+        parents = torch.where(parents > 0, parents + width, parents)  # n-gram nodes come after the head's
+        if width + tokens.shape[1] == 0:  # no tree at all: the root's states still spare the verifier [0, E)
+            return dataclasses.replace(head, hidden_layer=self.early.exit_layer)
+        head_parents = head.parents if head.parents is not None else head.tokens
+        return Draft(tokens=torch.cat([head.tokens, tokens], dim=1), draft_len=lengths + width,
+                     hidden=head.hidden, hidden_layer=self.early.exit_layer,
+                     parents=torch.cat([head_parents, parents], dim=1))
 
 
 def _ngram_draft(state, tokens, length) -> Draft:

@@ -1,6 +1,7 @@
 """Prompt lookup: draft the continuation of the most recent earlier occurrence of each row's last n tokens.
 
-No parameters and no forward pass. Row b's text is `state.seq[b, :state.seq_len[b]]` (its prompt, then what it
+No parameters and no forward pass. With draft trees (draft_tree_top_k > 1) the continuations of the top_k most
+recent occurrences become the branches of a tree, merged where they share a prefix. Row b's text is `state.seq[b, :state.seq_len[b]]` (its prompt, then what it
 generated) with the prompt's padding ignored. For n from `ngram_max` down to `ngram_min`, the row's last n tokens
 are looked up in that text; the first n that has a match wins, and the drafted tokens are the up to k tokens that
 followed its most recent occurrence. The draft is a point mass (Draft.q = None) and brings no hidden states
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..trees import merge_branches, pack_trees
 from .base import Draft, Drafter
 
 _PAD = -1  # stands in for prompt padding: never equal to a real token
@@ -34,12 +36,19 @@ def suffix_match(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: int)
     text: (B, L) tokens with _PAD where a row has no token; last: (B,) index of each row's last token.
     Returns (match (B,), end (B,)): the suffix length n matched (0 if none) and the index in `text` where the
     earlier occurrence ends (it ends before `last`, so at least one token follows it)."""
+    match, ends = suffix_matches(text, last, n_max, n_min, 1)
+    return match, ends[:, 0].clamp(min=0)
+
+
+def suffix_matches(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: int, count: int):
+    """Like suffix_match, with the `count` most recent occurrences of the longest matched suffix: (match (B,),
+    ends (B, count)), most recent first, -1 where a row has fewer."""
     b, length = text.shape
     idx = torch.arange(length, device=text.device)[None, :]  # (1, L)
     before_last = idx < last[:, None]  # an occurrence must end before the suffix's own last token
     run = torch.ones_like(text, dtype=torch.bool)  # run[b, e]: text[b, e-d] == suffix token d for all d so far
     match = torch.zeros_like(last)
-    end = torch.zeros_like(last)
+    best = torch.zeros_like(run)  # occurrences of the longest suffix matched so far
     for d in range(n_max):
         suffix_tok = text.gather(1, (last - d).clamp(min=0)[:, None])  # (B, 1)
         suffix_ok = (last - d >= 0)[:, None] & (suffix_tok != _PAD)
@@ -49,11 +58,13 @@ def suffix_match(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: int)
         if n < n_min:
             continue
         found = run & before_last
-        e = torch.where(found, idx, -1).max(dim=1).values  # most recent occurrence ending at e
-        hit = e >= 0
+        hit = found.any(dim=1)
         match = torch.where(hit, n, match)  # longer n overwrite shorter ones: the loop runs n upwards
-        end = torch.where(hit, e, end)
-    return match, end
+        best = torch.where(hit[:, None], found, best)
+    ends = torch.where(best, idx, -1).topk(min(count, length), dim=1).values  # most recent (largest) first
+    if ends.shape[1] < count:
+        ends = torch.nn.functional.pad(ends, (0, count - ends.shape[1]), value=-1)
+    return match, ends
 
 
 def continuation(text: torch.Tensor, last: torch.Tensor, match: torch.Tensor, end: torch.Tensor, k: int):
@@ -76,6 +87,7 @@ def cut_after_eos(tokens: torch.Tensor, length: torch.Tensor, is_eos) -> torch.T
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    drafts_trees = True  # with trees: the continuations of several earlier occurrences, as branches
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
         if not 1 <= ngram_min <= ngram_max:
@@ -104,9 +116,37 @@ class NgramDrafter(Drafter):
         tokens, length = continuation(text, last, match, end, k)
         return NgramProposal(tokens, cut_after_eos(tokens, length, state.is_eos), match)
 
+    def branches(self, state, k: int, count: int, min_match: int = 1) -> list[list[list[int]]]:
+        """[row][branch] the continuations (up to k tokens, cut after an EOS) of the `count` most recent
+        occurrences of each row's longest matched suffix, most recent first; none for finished rows and rows
+        whose match is shorter than min_match."""
+        text, last = self._text(state)
+        match, ends = suffix_matches(text, last, self.ngram_max, self.ngram_min, count)
+        match = match.masked_fill(state.finished | (match < min_match), 0)
+        chains = []
+        for c in range(count):
+            found = match.masked_fill(ends[:, c] < 0, 0)
+            tokens, length = continuation(text, last, found, ends[:, c].clamp(min=0), k)
+            chains.append((tokens, cut_after_eos(tokens, length, state.is_eos)))
+        tokens = torch.stack([t for t, _ in chains], dim=1).tolist()  # (B, count, k), one transfer
+        lengths = torch.stack([n for _, n in chains], dim=1).tolist()
+        return [[row[c][: n[c]] for c in range(count) if n[c]] for row, n in zip(tokens, lengths)]
+
+    def propose_tree(self, state, k: int) -> Draft:
+        """The branches of every row merged into a trie of at most tree_size nodes (no hidden states: the verifier
+        runs every layer over them)."""
+        trees = [merge_branches(b, state.settings.tree_size)
+                 for b in self.branches(state, k, state.settings.tree_top_k)]
+        tokens, parents, draft_len = pack_trees(trees, state.device)
+        if tokens.shape[1] == 0:
+            return Draft.empty(state.batch, state.device)
+        return Draft(tokens=tokens, draft_len=draft_len, parents=parents)
+
     def propose(self, state, k: int) -> Draft:
         if k == 0:
             return Draft.empty(state.batch, state.device)
+        if state.settings.tree_top_k > 1:
+            return self.propose_tree(state, k)
         found = self.lookup(state, k)
         width = int(found.length.max())
         if width == 0:
