@@ -311,3 +311,22 @@ def test_tree_replay_with_a_sure_head_accepts_the_whole_depth():
     second = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.5] * n], rank=[[1] * n])
     assert cost_model.simulate_tree(second, eos, k, 2, 8, 0.0, max_new_tokens=n).accepted == chain.accepted
     assert cost_model.simulate(second, eos, k, 0.0, max_new_tokens=n).accepted == 0
+
+
+def test_a_study_refuses_other_heads_at_the_same_layers(tmp_path):
+    """Trials measured with one head must not be mixed with trials of a retrained head at the same layer."""
+    from selfspec.heads import MLPHead
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    model = make_model("llama", 4)
+    spec = _spec(max_draft_tokens={"min": 1, "max": 2}, exit_layer=[2])
+    for seed in (0, 1):
+        selfspec.wrap(model, exit_layer=2)
+        torch.manual_seed(seed)
+        model.selfspec.add_head(MLPHead(2, 32, 48).double())
+        if seed == 0:
+            calibrate(model, _prompts(2), spec, storage=storage, study_name="s", trials=1, **QUIET)
+        else:
+            with pytest.raises(ValueError, match="head_weights"):
+                calibrate(model, _prompts(2), spec, storage=storage, study_name="s", trials=1, **QUIET)
+        selfspec.unwrap(model)

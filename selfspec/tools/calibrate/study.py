@@ -23,8 +23,12 @@ from .trials import Measurement, generate_once, time_generation, time_setting
 
 
 def study_identity(model, name: str | None) -> dict:
-    """What a study's trials were measured on: the model (measure.model_identity) and the heads it drafts with."""
-    return {**model_identity(model, name), "heads": sorted(model.selfspec.heads)}
+    """What a study's trials were measured on: the model (measure.model_identity), the layers of the heads it
+    drafts with and a fingerprint of their weights (new heads at the same layers are another setup)."""
+    heads = model.selfspec.heads
+    fingerprint = {str(e): round(float(sum(p.detach().double().abs().sum() for p in heads[e].parameters())), 3)
+                   for e in sorted(heads)}
+    return {**model_identity(model, name), "heads": sorted(heads), "head_weights": fingerprint}
 
 
 def environment(model) -> dict:
@@ -197,7 +201,7 @@ def best_per_drafter(study) -> dict[str, dict]:
     for t in _measured(study):
         drafter = tree_key(t.params)
         if drafter not in best or t.value > best[drafter][0]:
-            best[drafter] = (t.value, dict(t.params))
+            best[drafter] = (t.value, {k: round(v, 10) if isinstance(v, float) else v for k, v in t.params.items()})
     return {d: params for d, (_, params) in sorted(best.items())}
 
 
