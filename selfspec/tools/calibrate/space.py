@@ -261,7 +261,8 @@ def _suggest_from(trial, name: str, values: list[int]) -> int:
 
 
 def trial_config(base: SelfSpecConfig, params: dict) -> SelfSpecConfig:
-    config = base.replace(**params)
+    # Optuna's stepped floats carry binary noise (0.35000000000000003); configs are written for people to read
+    config = base.replace(**{k: round(v, 10) if isinstance(v, float) else v for k, v in params.items()})
     if config.ngram_min > config.ngram_max:
         config = config.replace(ngram_min=config.ngram_max)
     if config.draft_tree_top_k > 1 and config.draft_tree_size < config.max_draft_tokens:
