@@ -172,7 +172,8 @@ def test_tree_shapes_join_the_study(tmp_path):
     """With trees in the space, tree trials are predicted, measured and exact, and the best tree is kept apart
     from the best chain in per_drafter (the bench's selfspec-tree reads "early_exit-tree")."""
     model = make_model("llama", 4, agreeable=False)
-    spec = _spec(exit_layer=[2], max_draft_tokens=[2, 3], draft_tree_top_k=[1, 3], draft_tree_size=[6])
+    # every tree suggested is 3 nodes deep 4: the engine raises its size to 4, and so must what is recorded
+    spec = _spec(exit_layer=[2], max_draft_tokens=[4], draft_tree_top_k=[1, 3], draft_tree_size=[3])
     result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=4, **QUIET)
     trials = [t for t in result.report["trials"] if t.get("measured", True) and "tokens_per_s" in t]
     trees = [t for t in result.report["trials"] if t["params"].get("draft_tree_top_k", 1) > 1]
@@ -180,6 +181,8 @@ def test_tree_shapes_join_the_study(tmp_path):
     assert result.report["all_outputs_match_plain"], trials
     per = json.load(open(tmp_path / "selfspec_config.json"))["metadata"]["calibration"]["per_drafter"]
     assert per["early_exit-tree"]["draft_tree_top_k"] == 3 and per["early_exit"]["draft_tree_top_k"] == 1
+    for params in per.values():  # what the bench runs must be a valid config (a 3-node tree of depth 4 is not)
+        selfspec.SelfSpecConfig(**params).validate(num_layers=4)
 
 
 def test_resume_adds_trials_to_the_same_study(tmp_path):

@@ -260,13 +260,20 @@ def _suggest_from(trial, name: str, values: list[int]) -> int:
     return trial.suggest_categorical(name, values)
 
 
+def effective_params(params: dict) -> dict:
+    """A trial's params as the engine runs them: Optuna's stepped floats without their binary noise
+    (0.35000000000000003), and a tree's size raised to its depth K (a tree as deep as K needs K nodes). What
+    per_drafter records, so that the bench runs the very setting that was measured."""
+    out = {k: round(v, 10) if isinstance(v, float) else v for k, v in params.items()}
+    if out.get("draft_tree_top_k", 1) > 1 and out.get("draft_tree_size", 0) < out.get("max_draft_tokens", 0):
+        out["draft_tree_size"] = out["max_draft_tokens"]
+    return out
+
+
 def trial_config(base: SelfSpecConfig, params: dict) -> SelfSpecConfig:
-    # Optuna's stepped floats carry binary noise (0.35000000000000003); configs are written for people to read
-    config = base.replace(**{k: round(v, 10) if isinstance(v, float) else v for k, v in params.items()})
+    config = base.replace(**effective_params(params))
     if config.ngram_min > config.ngram_max:
         config = config.replace(ngram_min=config.ngram_max)
-    if config.draft_tree_top_k > 1 and config.draft_tree_size < config.max_draft_tokens:
-        config = config.replace(draft_tree_size=config.max_draft_tokens)  # a tree as deep as K needs K nodes
     return config
 
 

@@ -17,8 +17,8 @@ from ..measure import environment as measure_environment
 from ..measure import model_identity
 from .predictor import MODELLED_DRAFTERS, Predictor, build_predictor
 from .report import REPORT_NAME, build_report, save_result
-from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, resolve_space, suggest, trial_config,
-                    tree_key)
+from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, resolve_space, suggest,
+                    trial_config, tree_key)
 from .trials import Measurement, generate_once, time_generation, time_setting
 
 
@@ -201,7 +201,7 @@ def best_per_drafter(study) -> dict[str, dict]:
     for t in _measured(study):
         drafter = tree_key(t.params)
         if drafter not in best or t.value > best[drafter][0]:
-            best[drafter] = (t.value, {k: round(v, 10) if isinstance(v, float) else v for k, v in t.params.items()})
+            best[drafter] = (t.value, effective_params(t.params))
     return {d: params for d, (_, params) in sorted(best.items())}
 
 
