@@ -173,10 +173,8 @@ def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_
     sequence (emit and the processors read them there), and propose nothing for rows that have finished."""
     name = getattr(drafter, "name", None) or type(drafter).__name__
     tokens = draft.tokens
-    if tokens.dim() != 2 or tokens.shape[0] != state.batch:
-        raise ValueError(f"Drafter {name!r} proposed tokens of shape {tuple(tokens.shape)}; the loop asked for at "
-                         f"most {k} per row of a batch of {state.batch}: return Draft(tokens=(B, <= k) ids, ...).")
-    if draft.parents is None and tokens.shape[1] > k:
+    chain_too_long = draft.parents is None and tokens.dim() == 2 and tokens.shape[1] > k  # trees: _check_tree
+    if tokens.dim() != 2 or tokens.shape[0] != state.batch or chain_too_long:
         raise ValueError(f"Drafter {name!r} proposed tokens of shape {tuple(tokens.shape)}; the loop asked for at "
                          f"most {k} per row of a batch of {state.batch}: return Draft(tokens=(B, <= k) ids, ...).")
     if draft.hidden is not None:
