@@ -16,10 +16,15 @@ from .processing import PrefixProcessor, impure_processor_reason
 _warned: set[str] = set()
 
 
+def warn_once(message: str, stacklevel: int = 4) -> None:
+    """Warn with `message` the first time it comes up in this process (a per-call warning would flood loops)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=stacklevel)
+
+
 def _warn_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"selfspec: {reason}; falling back to the model's plain generate().", stacklevel=3)
+    warn_once(f"selfspec: {reason}; falling back to the model's plain generate().")
 
 
 def fallback_reason(gen, kwargs: dict, batch_size: int | None = None, streamer=None) -> str | None:

@@ -58,7 +58,7 @@ def verify_tree_greedy(tokens, parents, logits_at, draft_len, depth: int):
             break
         match = (parents == current[:, None]) & (tokens == target[:, None]) & proposed  # (B, N)
         walking = walking & match.any(dim=1)
-        if not bool(walking.any()):  # one host check per level spares the LM head over dead ends
+        if not bool(walking.any()):  # one host check per level: the path is as long as the longest accepted
             break
         child = match.float().argmax(dim=1) + 1
         current = torch.where(walking, child, current)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import types
-import warnings
 
 import torch
 
@@ -16,7 +15,7 @@ from .drafters import build_drafter
 from .drafters.base import Drafter
 from .forward import StepContext
 from .heads import ExitHead
-from .hf import wrapped_generate
+from .hf import warn_once, wrapped_generate
 
 
 class SelfSpecEngine:
@@ -105,7 +104,7 @@ class SelfSpecEngine:
                       settings.processors.processors) + "), which differs from branch to branch of a tree")
         else:
             return {"tree_top_k": top_k, "tree_size": self.config.draft_tree_size}
-        warn_once(f"selfspec: {reason}; drafting chains instead of trees (draft_tree_top_k={top_k}).")
+        warn_once(f"selfspec: {reason}; drafting chains instead of trees (draft_tree_top_k={top_k}).", stacklevel=3)
         return {}
 
     # --- decoding --------------------------------------------------------------------------------
@@ -139,15 +138,6 @@ class SelfSpecEngine:
     def __repr__(self) -> str:
         return (f"SelfSpecEngine({type(self.model).__name__}, layers={self.adapter.num_layers}, "
                 f"config={self.config}, heads={sorted(self.heads)})")
-
-
-_warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 def _resolve_config(config, overrides: dict) -> tuple[SelfSpecConfig, str | None]:

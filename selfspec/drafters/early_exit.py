@@ -47,24 +47,24 @@ class EarlyExitDrafter(Drafter):
         full = sub.new_full((*sub.shape[:-1], state.vocab_size), float("-inf"))
         return full.index_copy_(sub.dim() - 1, self.head.vocab_ids.to(sub.device), sub)
 
-    def run(self, state, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, state, inputs: torch.Tensor, positions: torch.Tensor,
+            every: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) inputs at (B, T) positions through layers [0, E) (into the shared cache), then the head: their
-        (B, T, H) layer-E states and the (B, V) draft logits for the token after the last one. The hybrid drafter
-        runs its head drafts through this too."""
+        (B, T, H) layer-E states and the (B, V) draft logits for the token after the last one (with `every`:
+        (B, T, V), after each, as a tree level needs). The hybrid drafter runs its head drafts through this too."""
         hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
-        return hidden, self.head_logits(state, hidden, positions)
+        return hidden, self.head_logits(state, hidden, positions, every)
 
-    def run_level(self, state, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Like `run`, with draft logits after every input: (B, T, H) states and (B, T, V) logits (a tree level)."""
-        hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
-        return hidden, self.head_logits(state, hidden, positions, every=True)
+    def run_level(self, state):
+        """The tree grower's level runner: inputs, positions -> states and logits after every input."""
+        return lambda inputs, positions: self.run(state, inputs, positions, every=True)
 
     def propose(self, state, k: int) -> Draft:
         if k == 0:
             return Draft.empty(state.batch, state.device)
         if state.settings.tree_top_k > 1:
-            draft = grow_tree(state, lambda x, p: self.run_level(state, x, p), k, state.settings.tree_top_k,
-                              state.settings.tree_size, self.threshold)
+            draft = grow_tree(state, self.run_level(state), k, state.settings.tree_top_k, state.settings.tree_size,
+                              self.threshold)
             return dataclasses.replace(draft, hidden_layer=self.exit_layer)
         x = state.pending
         active = ~state.finished

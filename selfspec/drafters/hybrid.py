@@ -117,7 +117,6 @@ class HybridDrafter(Drafter):
         return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1),
                      hidden_layer=self.early.exit_layer)
 
-
     def _tree(self, state, k: int) -> Draft:
         """One tree per row: the n-gram branches of rows with a strong match (>= min_match) grafted under the root
         next to the head's tree, which grows in the nodes they leave of draft_tree_size. The head's run nodes
@@ -126,13 +125,12 @@ class HybridDrafter(Drafter):
         branches = self.ngram.branches(state, k, top_k, self.min_match)
         tokens, parents, lengths = pack_trees([merge_branches(b, size) for b in branches], state.device)
         self.steps["tree" if tokens.shape[1] else "early_exit"] += 1
-        head = grow_tree(state, lambda x, p: self.early.run_level(state, x, p), k, top_k, size - tokens.shape[1],
-                         self.early.threshold)
+        head = grow_tree(state, self.early.run_level(state), k, top_k, size - tokens.shape[1], self.early.threshold)
         width = head.tokens.shape[1]
         parents = torch.where(parents > 0, parents + width, parents)  # n-gram nodes come after the head's
         if width + tokens.shape[1] == 0:  # no tree at all: the root's states still spare the verifier [0, E)
             return dataclasses.replace(head, hidden_layer=self.early.exit_layer)
-        head_parents = head.parents if head.parents is not None else head.tokens
+        head_parents = head.parents if head.parents is not None else head.tokens  # (B, 0): the head drafted none
         return Draft(tokens=torch.cat([head.tokens, tokens], dim=1), draft_len=lengths + width,
                      hidden=head.hidden, hidden_layer=self.early.exit_layer,
                      parents=torch.cat([head_parents, parents], dim=1))

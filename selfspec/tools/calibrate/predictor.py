@@ -11,7 +11,7 @@ import torch
 from ...config import SelfSpecConfig
 from .. import cost_model
 from ..measure import eos_ids_of
-from .space import MeasureSpec, SearchSpace, tree_key, trial_config
+from .space import MeasureSpec, SearchSpace, effective_params, tree_key, trial_config
 from .trials import generate_once
 
 
@@ -47,10 +47,11 @@ class Predictor:
     def _compute(self, params: dict) -> cost_model.Prediction | None:
         drafter = params.get("drafter")
         if drafter == "early_exit" and params["exit_layer"] in self.acceptance:
-            k = params["max_draft_tokens"]
-            tree = (params.get("draft_tree_top_k", 1), max(params.get("draft_tree_size", k), k))
-            return cost_model.predict(self.acceptance[params["exit_layer"]], self.eos, self.timings, k,
-                                      params["draft_confidence_threshold"], self.max_new_tokens, tree)
+            run = effective_params(params)  # the setting as the engine runs it (a tree's size raised to K)
+            tree = (run.get("draft_tree_top_k", 1), run.get("draft_tree_size", 0))
+            return cost_model.predict(self.acceptance[run["exit_layer"]], self.eos, self.timings,
+                                      run["max_draft_tokens"], run["draft_confidence_threshold"],
+                                      self.max_new_tokens, tree)
         if drafter == "ngram" and self.ngram.get("lookup_seconds") is not None:
             counts = cost_model.simulate_ngram(self.sequences, self._ngram_proposals(params["ngram_max"]), self.eos,
                                                params["max_draft_tokens"], self.max_new_tokens)
