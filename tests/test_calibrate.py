@@ -314,6 +314,10 @@ def test_tree_replay_with_a_sure_head_accepts_the_whole_depth():
     second = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.5] * n], rank=[[1] * n])
     assert cost_model.simulate_tree(second, eos, k, 2, 8, 0.0, max_new_tokens=n).accepted == chain.accepted
     assert cost_model.simulate(second, eos, k, 0.0, max_new_tokens=n).accepted == 0
+    # a threshold the head's 0.5 reaches once but not twice stops growth after one run level: the tree holds
+    # nodes down to depth 2 only, so no step accepts more than 2
+    stopped = cost_model.simulate_tree(second, eos, k, 2, 8, 0.3, max_new_tokens=n)
+    assert stopped.steps < stopped.accepted <= 2 * stopped.steps, stopped
 
 
 def test_a_study_refuses_other_heads_at_the_same_layers(tmp_path):

@@ -291,20 +291,21 @@ def _tree_block(rank, conf, start: int, k: int, top_k: int, size: int, threshold
     (taken as: ranked below that width); growth stops where the path's product of top probabilities falls below
     the threshold. Returns (level widths run, nodes drafted, accepted)."""
     widths, nodes = tree_shape(k, top_k, size)
-    accepted, sure = 0, 1.0
-    for d in range(1, len(widths) + 1):
+    sure = 1.0
+    if threshold > 0:  # levels whose best node is below the threshold are not grown (nor anything under them)
+        for d in range(1, len(widths)):
+            sure *= conf[min(start + d - 1, len(conf) - 1)]
+            if sure < threshold:
+                widths = widths[:d]
+                break
+    accepted = 0
+    for d in range(1, len(widths) + 1):  # a tree whose growth stopped at level d holds nodes down to depth d
         i = start + d - 1
         if rank[i] >= top_k or (d > 1 and rank[i - 1] >= widths[d - 1]):
             break
         accepted = d
         if eos[i]:
             break
-    if threshold > 0:  # levels whose best node is below the threshold are not grown
-        for d in range(1, len(widths)):
-            sure *= conf[min(start + d - 1, len(conf) - 1)]
-            if sure < threshold:
-                widths = widths[:d]
-                break
     return widths, nodes, accepted
 
 
