@@ -991,7 +991,8 @@ def collect_sharegpt(args, cfg: dict) -> int:
             st = meta["stats"]
             new_tokens += st["n_response_tokens"]
             new_seconds += st["gen_seconds"]
-            left = (target - total - st["n_response_tokens"]) / max(new_tokens / new_seconds, 1e-9)
+            # gen_seconds are stored to 10 ms, so a tiny shard on an idle machine records 0: floor it as the log does
+            left = (target - total - st["n_response_tokens"]) / max(new_tokens / max(new_seconds, 0.01), 1e-9)
             _log(f"{name}: {st['n_conversations']} conversations, {st['n_seqs']} answers, {st['n_response_tokens']} "
                  f"assistant tokens of {st['n_forward_tokens']} in {st['gen_seconds']:.0f}s "
                  f"({st['n_response_tokens'] / max(st['gen_seconds'], 0.01):.0f} assistant tok/s, "
