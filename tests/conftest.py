@@ -1,11 +1,23 @@
 """Small random models of every supported family, built from configs (no downloads)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers as tf
 
 VOCAB = 96
+
+# SELFSPEC_TEST_DEVICE=cuda runs the tests on a GPU (scripts/device_check.sh): the models and every tensor a test
+# builds without naming a device land there. Random prompts are still drawn on the CPU so that they are the same
+# tokens on every device.
+TEST_DEVICE = os.environ.get("SELFSPEC_TEST_DEVICE", "cpu")
+
+
+def pytest_configure(config):
+    if TEST_DEVICE != "cpu":
+        torch.set_default_device(TEST_DEVICE)
 
 
 def _common(layers: int) -> dict:
@@ -57,17 +69,17 @@ def padded_batch(seed: int = 0, lengths=(9, 5, 7), vocab: int = VOCAB):
     """Left-padded (3, T) batch with pad id 0 and its attention mask."""
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long, device="cpu")
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=g, device="cpu")
         mask[row, width - n :] = 1
-    return ids, mask
+    return ids.to(TEST_DEVICE), mask.to(TEST_DEVICE)
 
 
 def prompt(seed: int = 0, length: int = 8, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (1, length), generator=g)
+    return torch.randint(3, vocab, (1, length), generator=g, device="cpu").to(TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from transformers.generation import logits_process as lp
 
 import selfspec
 import selfspec.decoding
-from conftest import make_model
+from conftest import TEST_DEVICE, make_model
 from distribution import accept_everything, chi_square_pvalue, exact_marginals
 from selfspec.drafters import build_drafter
 from selfspec.drafters.ngram import suffix_match
@@ -82,8 +82,8 @@ def test_lookup_never_matches_padding():
 
 def _repetitive_prompt(seed=0, period=5, length=14, vocab=96):
     g = torch.Generator().manual_seed(seed)
-    unit = torch.randint(3, vocab, (period,), generator=g)
-    return unit.repeat(length // period + 1)[:length][None, :]
+    unit = torch.randint(3, vocab, (period,), generator=g, device="cpu")
+    return unit.repeat(length // period + 1)[:length][None, :].to(TEST_DEVICE)
 
 
 def _repetitive_batch(seed=0, lengths=(14, 6, 11)):

@@ -160,7 +160,7 @@ def _repetitive_batch(lengths=(13, 6, 10)):
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
-        unit = torch.randint(3, 96, (3 + row,), generator=g)
+        unit = torch.randint(3, 96, (3 + row,), generator=g, device="cpu")
         ids[row, ids.shape[1] - n:] = unit.repeat(n // len(unit) + 1)[:n]
         mask[row, ids.shape[1] - n:] = 1
     return ids, mask
