@@ -43,7 +43,7 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor, min_expected: 
     keep = exp > 0
     obs, exp = obs[keep], exp[keep]
     exp = exp * obs.sum() / exp.sum()
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+    return float(chisquare(obs.cpu().numpy(), exp.cpu().numpy()).pvalue)
 
 
 def accept_everything(state, draft, hidden, base):
