@@ -3,6 +3,9 @@ the oracle drafter accepts everything (and only because its proposals are right)
 from __future__ import annotations
 
 import json
+import os
+import signal
+
 import pytest
 import torch
 import transformers as tf
@@ -101,6 +104,37 @@ def test_planted_mismatch_is_reported_loudly(model, capsys, tmp_path):
     text = paths["md"].read_text()
     assert "4 DIFFER(S)" in text and "**0 / 0 / 4 DIFFERS**" in text
     assert json.loads(paths["json"].read_text())["mismatches"][0]["method"] == "perturbed"
+
+
+class Terminating(bench.HFMethod):
+    """hf-greedy that sends its own process SIGTERM (what `timeout` sends) when it reaches the prompt `at`."""
+
+    def __init__(self, at: str):
+        super().__init__("hf-greedy, then SIGTERM")
+        self.at = at
+
+    def run(self, h, batch, reference, max_new):
+        if batch.question_ids[0] == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().run(h, batch, reference, max_new)
+
+
+def test_a_run_stopped_by_sigterm_reports_the_prompts_every_method_finished(model, tmp_path):
+    registry = {**bench.METHODS, "stopper": Terminating(at="rag-10")}
+    with bench.sigterm_as_interrupt():
+        res = _run(model, registry, methods=("hf-greedy", "selfspec-untrained", "stopper"))
+    assert res.stopped == "stopped by an interrupt after 2 of 4 batches"
+    # the third batch's finished runs are dropped with it: each method counts on the same prompts
+    assert sorted((r.method, r.question_ids[0]) for r in res.records) == sorted(
+        (m, q) for m in ("hf-greedy", "selfspec-untrained", "stopper") for q in ("qa-0", "qa-1"))
+    assert set(res.summary) == {"qa", "overall"} and res.summary["overall"]["hf-greedy"]["prompts"] == 2
+    paths = bench.write_outputs(res, _meta(bench.BenchConfig(**SMALL)), tmp_path)
+    assert "**stopped by an interrupt after 2 of 4 batches**" in paths["md"].read_text()
+    assert json.loads(paths["json"].read_text())["stopped"] == res.stopped
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    # stopped before any batch is done: nothing to report, the interrupt goes on
+    with pytest.raises(KeyboardInterrupt), bench.sigterm_as_interrupt():
+        _run(model, {**bench.METHODS, "stopper": Terminating(at="qa-0")}, methods=("hf-greedy", "stopper"))
 
 
 def test_outputs_written(result, tmp_path):

@@ -20,7 +20,9 @@ import argparse
 import contextlib
 import json
 import shlex
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -510,6 +512,7 @@ class BenchResult:
     setup: dict  # what the harness chose: selfspec config, heads, hf-early-exit E and its tuning, skipped
     mismatches: list[dict]
     wall_seconds: float
+    stopped: str | None = None  # why the run ended before its last prompt; its tables cover the prompts done
 
 
 def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids: list[int],
@@ -536,9 +539,17 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
             bar.set_postfix_str(f"{record.category}/{record.method}")
             bar.update(1)
 
+        stopped = None
         for i, batch in enumerate(workload.batches):
-            records += run_batch(h, registry, names, batch, cfg.max_new_tokens, i, done)
-    categories = list(dict.fromkeys(b.category for b in workload.batches))
+            try:
+                records += run_batch(h, registry, names, batch, cfg.max_new_tokens, i, done)
+            except KeyboardInterrupt:
+                if not records:
+                    raise  # nothing measured yet: nothing to report
+                # a batch's runs count only together (each method on the same prompts), so the one cut off goes
+                stopped = f"stopped by an interrupt after {i} of {len(workload.batches)} batches"
+                break
+    categories = list(dict.fromkeys(r.category for r in records))
     setup = {"selfspec_config": h.base_config.to_dict(), "heads": sorted(h.heads), "heads_source": h.heads_source,
              "hf_early_exit_layer": h.hf_exit_layer if "hf-early-exit" in names else None,
              "hf_early_exit_tuning_tokens_per_s": {str(k): v for k, v in tuning.items()},
@@ -549,7 +560,7 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
              "methods": {n: registry[n].description for n in names}}
     mismatches = [{"method": r.method, "category": r.category, **m} for r in records for m in r.mismatches]
     return BenchResult(names, records, summarize(records, names, categories), setup, mismatches,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, stopped)
 
 
 def engine_settings(config: SelfSpecConfig) -> str:
@@ -668,6 +679,8 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
     for name, why in setup["skipped_methods"].items():
         lines.append(f"- skipped {name}: {why}")
     lines.append(f"- wall time {result.wall_seconds / 60:.1f} min (model load excluded)")
+    if result.stopped:
+        lines.append(f"- **{result.stopped}**: the tables cover the prompts that every method finished")
     lines.append(exactness_line(result))
     for category, rows in [("overall", result.summary["overall"])] + [
             (c, r) for c, r in result.summary.items() if c != "overall"]:
@@ -721,7 +734,7 @@ def write_outputs(result: BenchResult, meta: dict, directory: str | Path) -> dic
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = {"json": directory / "results.json", "md": directory / "results.md", "png": directory / "speedup.png"}
-    payload = {"meta": meta, "setup": result.setup, "wall_seconds": result.wall_seconds,
+    payload = {"meta": meta, "setup": result.setup, "wall_seconds": result.wall_seconds, "stopped": result.stopped,
                "mismatches": result.mismatches, "summary": result.summary,
                "records": [asdict(r) for r in result.records]}
     paths["json"].write_text(json.dumps(payload, indent=1, default=str) + "\n")
@@ -809,6 +822,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         chat_template=not args.no_chat_template, output=args.output, strict=args.strict)
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """`timeout` and job schedulers stop a run with SIGTERM: taken as an interrupt, the prompts every method
+    finished are still written (a signal handler can only be set from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def default_output(cfg: BenchConfig) -> Path:
     return Path(DEFAULT_OUTPUT_ROOT) / f"{Path(str(cfg.model)).name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -834,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = next(model.parameters()).device
     loadavg_start = loadavg()
-    result = run_bench(model, workload, cfg, tokenizer.pad_token_id, eos_ids_of(model, tokenizer))
+    with sigterm_as_interrupt():
+        result = run_bench(model, workload, cfg, tokenizer.pad_token_id, eos_ids_of(model, tokenizer))
     meta = {"command": "selfspec bench " + shlex.join(argv), "machine": {**machine_info(device),
             "loadavg_start": loadavg_start, "loadavg_end": loadavg()}, "versions": versions(),
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
@@ -845,6 +877,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
     if result.mismatches:
         print(exactness_line(result), file=sys.stderr)
+    if result.stopped:
+        print(f"selfspec bench: {result.stopped}", file=sys.stderr)
+        return 130  # the shell's code for a run stopped by an interrupt
     differs = any(m["verdict"] == DIFFERS for m in result.mismatches)
     return 1 if (cfg.strict and differs) else 0
 
