@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA check, as one call on a lent GPU machine (the `device` tool): exactness tests with the models on the
 # GPU, the real model's float32 outputs against plain generate, the pass-cost curve and the bfloat16 bench.
-# Each phase has its own time limit and log, so one that fails or runs long leaves the others' results.
+# Each phase has its own time limit and log, so one that fails or runs long leaves the others' results (a bench
+# stopped by its limit writes the prompts every method finished).
 #
 # The machine has torch but neither selfspec's transformers nor the model, and a call carries 64 MiB: wheels
 # come in WHEELS, and the SmolLM2 .gguf (98 MB) in two halves over two calls on one warm machine, the first
@@ -40,9 +41,9 @@ phase() {  # name, seconds, command...
     tar czf "$OUT/results.tgz" -C "$RES" .  # after every phase: a call cut short still brings back the rest
 }
 
-phase tests 120 env SELFSPEC_TEST_DEVICE=$DEVICE python3 -m pytest -q -p no:cacheprovider -m "not slow" \
+phase tests 180 env SELFSPEC_TEST_DEVICE=$DEVICE python3 -m pytest -q -p no:cacheprovider -m "not slow" \
     tests/test_exact_greedy.py tests/test_trees.py tests/test_verdict.py tests/test_drafters.py \
-    tests/test_shared_kv.py tests/test_sampling.py
+    tests/test_shared_kv.py tests/test_sampling.py tests/test_heads.py tests/test_collect_sharegpt.py
 if [ "$have_model" = 1 ]; then
     phase passcost 45 python3 scripts/measure_pass_cost.py --device "$DEVICE" --dtypes bfloat16 float32 \
         --tokens 1 5 9 17 33 65

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import TEST_DEVICE
 from selfspec.training import collect
 from selfspec.training.train_heads import load_rows, load_sequences
 
@@ -295,6 +296,30 @@ def test_onpolicy_and_the_trainer_loaders(setup):
     tr, he = load_sequences(str(cache), EXIT_LAYERS, 0.2, 0)
     assert len(tr) + len(he) == manifest["totals"]["n_seqs"]
     assert sum(int(s["loss"].sum()) for s in tr + he) == n
+
+
+@pytest.mark.parametrize("head", ["mlp", "attn"])
+def test_collect_then_train_heads_then_generate(setup, head):
+    """The commands of the heads section end to end, on the test device (`SELFSPEC_TEST_DEVICE=cuda` runs them
+    with --device cuda): collect, train two exits, load the saved heads, and generate what plain `generate` does."""
+    import selfspec
+    from selfspec.training import train_heads
+
+    cache = run(setup, f"e2e-{head}", "--device", TEST_DEVICE, onpolicy_share=0.3)
+    out = setup["root"] / f"heads-{head}"
+    argv = ["--model", str(setup["model_dir"]), "--data-dir", str(cache), "--out-dir", str(out), "--exit-layers",
+            "1,2", "--head", head, "--steps", "12", "--batch-size", "64", "--eval-every", "6", "--checkpoint-every",
+            "6", "--draft-vocab-size", "40", "--device", TEST_DEVICE, "--dtype", "float32", "--threads", "1"]
+    assert train_heads.main(argv) == 0
+    model, tok = selfspec.load(str(out), dtype=torch.float32, device=TEST_DEVICE)
+    assert sorted(model.selfspec.heads) == [1, 2] and model.device.type == torch.device(TEST_DEVICE).type
+    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea and the sky."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = ids.to(TEST_DEVICE)
+    out_spec = model.generate(ids, max_new_tokens=16, do_sample=False)
+    assert model.selfspec.last_stats.verify_steps > 0  # the speculative loop ran
+    selfspec.unwrap(model)
+    assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
 
 
 def test_missing_dataset_package_is_one_clear_line(monkeypatch):
