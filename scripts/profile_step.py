@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python scripts/profile_step.py --threads 1                  # bf16 where the CPU has it
     python scripts/profile_step.py --drafter ngram --dtype float32 --new-tokens 64 --table 15
+    python scripts/profile_step.py --drafter early_exit --heads shipped --tree-top-k 4 --tree-size 16 --depth 5
 
 Runs one greedy generate on a Spec-Bench eval prompt under torch.profiler. The adapter's calls into the model
 (embedding, each decoder layer, final norm, LM head) are labelled with record_function, so the profile splits
@@ -27,6 +28,12 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--table", type=int, default=0, help="rows of torch's op table to print (0: none)")
+    p.add_argument("--heads", default=None, help="heads directory, or 'shipped' (default: untrained exits)")
+    # each of these left out keeps the config's value (the heads directory's, else the default)
+    p.add_argument("--depth", type=int, dest="max_draft_tokens", help="max_draft_tokens")
+    p.add_argument("--tree-top-k", type=int, dest="draft_tree_top_k", help="draft_tree_top_k (1: chains)")
+    p.add_argument("--tree-size", type=int, dest="draft_tree_size", help="draft_tree_size")
+    p.add_argument("--threshold", type=float, dest="draft_confidence_threshold", help="draft_confidence_threshold")
     return p.parse_args(argv)
 
 
@@ -63,10 +70,14 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     import selfspec
     from selfspec.models import resolve_model
+    from selfspec.pretrained import shipped_dir
     from selfspec.prompts import chat_input_ids, load_prompts
 
     model, tok = resolve_model(args.model, dtype=args.dtype)
-    selfspec.wrap(model, drafter=args.drafter)
+    heads = str(shipped_dir(args.model)) if args.heads == "shipped" else args.heads
+    knobs = ("max_draft_tokens", "draft_tree_top_k", "draft_tree_size", "draft_confidence_threshold")
+    overrides = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}
+    selfspec.wrap(model, heads, drafter=args.drafter, **overrides)
     label_model_calls(model.selfspec.adapter)
     prompt = load_prompts(None, split="eval", limit_per_category=1)[0]
     ids = chat_input_ids(tok, prompt.text)
@@ -79,7 +90,9 @@ def main(argv=None) -> None:
     stats = model.selfspec.last_stats
     inside = model_seconds(prof)
     steps = stats.verify_steps
-    print(f"{args.model} {model.dtype}, drafter {args.drafter}, prompt {ids.shape[1]} tokens, {stats.new_tokens} new "
+    c = model.selfspec.config
+    print(f"{args.model} {model.dtype}, drafter {args.drafter} (E={c.exit_layer}, K={c.max_draft_tokens}, tree top-"
+          f"{c.draft_tree_top_k} of {c.draft_tree_size}), mean accepted {stats.mean_accepted_tokens:.2f}, prompt {ids.shape[1]} tokens, {stats.new_tokens} new "
           f"tokens in {steps} full passes (prefill included), {torch.get_num_threads()} thread(s), profiled")
     print(f"wall {wall * 1e3:.1f} ms = model compute {inside * 1e3:.1f} ms ({inside / wall:.1%}) + engine and "
           f"Python {(wall - inside) * 1e3:.1f} ms ({1 - inside / wall:.1%}); per step {wall / steps * 1e3:.2f} ms, "
