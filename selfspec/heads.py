@@ -22,19 +22,24 @@ class ExitHead(nn.Module):
 
     kind = "norm"
     stateful = False  # True for heads with a KV cache of their own (the attention adapter)
+    reads_top = False  # True for heads that also read the previous position's final-normed state (`prev_top`)
 
     def __init__(self, exit_layer: int, vocab_ids: torch.Tensor | None = None):
         super().__init__()
         self.exit_layer = exit_layer
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long(), persistent=True)
 
-    def transform(self, hidden: torch.Tensor, adapter: ArchAdapter) -> torch.Tensor:
+    def transform(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
         """Residual-stream adapter before the shared norm; identity for the plain exit."""
         return hidden
 
-    def forward(self, hidden: torch.Tensor, adapter: ArchAdapter) -> torch.Tensor:
-        h = self.transform(hidden, adapter)
-        return lm_logits(adapter, adapter.final_norm(h), self.vocab_ids)
+    def normed(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
+        """(B, T, H) final-normed output, the state the draft logits come from (a top-reading head's estimate of
+        the final state there, which the next draft reads as its `prev_top`)."""
+        return adapter.final_norm(self.transform(hidden, adapter, prev_top))
+
+    def forward(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
+        return lm_logits(adapter, self.normed(hidden, adapter, prev_top), self.vocab_ids)
 
     def token_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into this head's logits (any shape) -> token ids of the full vocabulary."""
@@ -68,40 +73,63 @@ def _vocab_placeholder(spec: dict) -> torch.Tensor | None:
     return None if size is None else torch.zeros(size, dtype=torch.long)
 
 
+CONTEXTS = ("early", "top")
+
+
 @register_head
 class MLPHead(ExitHead):
     """Residual MLP adapter before the shared norm + LM head: h + down(silu(up(rmsnorm(h)))).
 
     `down` starts at zero, so an untrained MLP head is exactly the plain exit (design 1) and training can only
-    move away from it where that helps.
+    move away from it where that helps. With context="top" it also reads `prev_top`, the final-normed state of
+    the position before (EAGLE's feature): the verifier's own for a step's first draft, the head's own estimate
+    (`normed`) for later ones. That state holds what the whole model knew one token ago, which layer E alone
+    does not; it enters the residual through `top_in` (zero at first, so an untrained top head is the plain exit
+    too) and the MLP's hidden layer through `top_up`.
     """
 
     kind = "mlp"
 
     def __init__(self, exit_layer: int, hidden_size: int, rank: int | None = None,
-                 vocab_ids: torch.Tensor | None = None, eps: float = 1e-6):
+                 vocab_ids: torch.Tensor | None = None, eps: float = 1e-6, context: str = "early"):
         super().__init__(exit_layer, vocab_ids)
-        self.hidden_size, self.rank = hidden_size, rank or 2 * hidden_size
+        if context not in CONTEXTS:
+            raise ValueError(f"MLP head context must be one of {CONTEXTS}, got {context!r}.")
+        self.hidden_size, self.rank, self.context = hidden_size, rank or 2 * hidden_size, context
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.up = nn.Linear(hidden_size, self.rank, bias=False)
         self.down = nn.Linear(self.rank, hidden_size, bias=False)
         nn.init.zeros_(self.down.weight)
+        if context == "top":
+            self.top_norm = nn.RMSNorm(hidden_size, eps=eps)
+            self.top_in = nn.Linear(hidden_size, hidden_size, bias=False)
+            self.top_up = nn.Linear(hidden_size, self.rank, bias=False)
+            nn.init.zeros_(self.top_in.weight)
 
-    def transform(self, hidden, adapter):
-        x = self.norm(hidden.to(self.up.weight.dtype))
-        return hidden + self.down(nn.functional.silu(self.up(x))).to(hidden.dtype)
+    @property
+    def reads_top(self) -> bool:
+        return self.context == "top"
+
+    def transform(self, hidden, adapter, prev_top=None):
+        dtype = self.up.weight.dtype
+        pre, out = self.up(self.norm(hidden.to(dtype))), hidden
+        if self.reads_top:
+            if prev_top is None:
+                raise ValueError("This MLP head reads the previous position's final state: pass prev_top.")
+            t = self.top_norm(prev_top.to(hidden.device, dtype))
+            pre = pre + self.top_up(t)
+            out = out + self.top_in(t).to(hidden.dtype)
+        return out + self.down(nn.functional.silu(pre)).to(hidden.dtype)
 
     def spec(self) -> dict:
-        return {**super().spec(), "hidden_size": self.hidden_size, "rank": self.rank}
+        return {**super().spec(), "hidden_size": self.hidden_size, "rank": self.rank, "context": self.context}
 
     @classmethod
     def from_spec(cls, spec: dict, adapter: ArchAdapter) -> "MLPHead":
         if spec["hidden_size"] != adapter.hidden_size:
             raise ValueError(f"MLP head for hidden size {spec['hidden_size']}, model has {adapter.hidden_size}.")
-        return cls(spec["exit_layer"], spec["hidden_size"], spec["rank"], _vocab_placeholder(spec))
-
-
-CONTEXTS = ("early", "top")
+        return cls(spec["exit_layer"], spec["hidden_size"], spec["rank"], _vocab_placeholder(spec),
+                   context=spec.get("context", "early"))
 
 
 @register_head
@@ -213,7 +241,14 @@ def teacher_forced_logits(head: ExitHead, states, adapter: ArchAdapter, rows: sl
     of a round's first draft (final states before it)."""
     if head.stateful:
         return head.teacher_forced(states[head.exit_layer], states[-1], adapter)[0, rows]
-    return head(states[head.exit_layer][:, rows], adapter)[0]
+    prev = previous_top(states[-1])[:, rows] if head.reads_top else None
+    return head(states[head.exit_layer][:, rows], adapter, prev)[0]
+
+
+def previous_top(top: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) final states -> the state before each position (zeros before the first): a top-reading head's
+    `prev_top` in teacher-forced use."""
+    return torch.cat([torch.zeros_like(top[:, :1]), top[:, :-1]], dim=1)
 
 
 def frequent_token_ids(token_ids: torch.Tensor, size: int, always: list[int] | None = None) -> torch.Tensor:

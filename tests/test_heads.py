@@ -13,14 +13,17 @@ from conftest import VOCAB, make_model, padded_batch, prompt
 GEN = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
 
 
-KINDS = ["norm", "mlp", "attn", "attn-top"]
+KINDS = ["norm", "mlp", "mlp-top", "attn", "attn-top"]
 
 
 def _heads(vocab_ids=None, seed=0, model=None):
     torch.manual_seed(seed)
     mlp = MLPHead(2, 32, 48, vocab_ids).double()
     torch.nn.init.normal_(mlp.down.weight, std=0.2)  # not the zero init: a head that changes the drafts
-    heads = {"norm": ExitHead(2, vocab_ids), "mlp": mlp}
+    top = MLPHead(2, 32, 48, vocab_ids, context="top").double()
+    for w in (top.down.weight, top.top_in.weight):  # both non-zero: drafts that depend on the previous state
+        torch.nn.init.normal_(w, std=0.2)
+    heads = {"norm": ExitHead(2, vocab_ids), "mlp": mlp, "mlp-top": top}
     if model is not None:  # attention heads copy one of the model's layers (layer 2, the one they replace)
         adapter = selfspec.arch.adapter_for(model)
         for name, context in (("attn", "early"), ("attn-top", "top")):
@@ -38,7 +41,8 @@ def test_shapes_and_round_trip(tmp_path, kind, vocab):
     vocab_ids = None if vocab is None else frequent_token_ids(torch.randint(0, VOCAB, (400,)), vocab, [2])
     head = _heads(vocab_ids, model=model)[kind]
     selfspec.wrap(model, exit_layer=2)
-    out = head(torch.randn(3, 5, 32, dtype=torch.float64), model.selfspec.adapter)
+    prev = torch.randn(3, 5, 32, dtype=torch.float64) if head.reads_top else None
+    out = head(torch.randn(3, 5, 32, dtype=torch.float64), model.selfspec.adapter, *([prev] if prev is not None else []))
     assert out.shape == (3, 5, VOCAB if vocab_ids is None else len(vocab_ids))
     model.selfspec.add_head(head)
     model.selfspec.save_pretrained(tmp_path)

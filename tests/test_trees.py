@@ -222,3 +222,30 @@ def test_ngram_branches_are_the_recent_occurrences():
     drafter.prompt_pad = None
     assert drafter.branches(state, 2, 3) == [[[7, 5], [9, 1], [7, 8]]]  # most recent "1 2" first
     assert drafter.branches(state, 2, 3, min_match=3) == [[]]  # only a 2-token suffix matches
+
+
+def test_a_top_reading_head_reads_each_tree_nodes_parent():
+    """A node's input state is its parent's head output, as if its branch were drafted as a chain: the tree's
+    states at depth 2 equal the chain's along each branch (node 3 hangs under node 1, node 4 under node 2)."""
+    from types import SimpleNamespace
+
+    from selfspec.drafters.early_exit import TopStates
+
+    model = make_model("llama", 4)
+    selfspec.wrap(model, exit_layer=2)
+    adapter, head = model.selfspec.adapter, _heads()["mlp-top"]
+    torch.manual_seed(1)
+    last, root, level1, level2 = (torch.randn(2, t, 32, dtype=torch.float64) for t in (1, 1, 2, 2))
+    state = SimpleNamespace(prompt_hidden=(None, last))
+    tree = TopStates()
+    tree.begin(state)
+    tree.normed(head, adapter, root, None)
+    tree.normed(head, adapter, level1, torch.zeros(2, 2, dtype=torch.long))
+    deep = tree.normed(head, adapter, level2, torch.tensor([[1, 2], [1, 2]]))
+    for node in (0, 1):
+        chain = TopStates()
+        chain.begin(state)
+        for h in (root, level1[:, node : node + 1], level2[:, node : node + 1]):
+            out = chain.normed(head, adapter, h, None)
+        assert torch.allclose(out[:, 0], deep[:, node])
+    selfspec.unwrap(model)

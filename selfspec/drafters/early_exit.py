@@ -7,7 +7,7 @@ import torch
 
 from ..cache import SpecCache
 from ..forward import forward_early, run_module
-from ..heads import ExitHead
+from ..heads import ExitHead, lm_logits
 from .base import Draft, Drafter, choose_draft
 from .tree import grow_tree
 
@@ -22,23 +22,33 @@ class EarlyExitDrafter(Drafter):
         self.exit_layer = head.exit_layer
         self.threshold = confidence_threshold
         self.head_cache: HeadCache | None = None
-        self.needs_prompt_hidden = head.stateful  # a head with a KV cache of its own takes the prompt in first
+        # a head with a KV cache of its own takes the prompt in first; a top-reading head its last final state
+        self.needs_prompt_hidden = head.stateful or head.reads_top
+        self.tops = TopStates() if head.reads_top else None
 
     def begin(self, state) -> None:
         self.head_cache = HeadCache(self.head, state) if self.head.stateful else None
+        if self.tops is not None:
+            self.tops.begin(state)
 
     def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
         if self.head_cache is not None:
             self.head_cache.catch_up(state)
+        if self.tops is not None:
+            self.tops.accepted(state, n)
 
     def head_logits(self, state, hidden: torch.Tensor, positions: torch.Tensor | None = None,
-                    every: bool = False) -> torch.Tensor:
+                    every: bool = False, parents: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, H) layer-E states of the inputs just run through layers [0, E), at (B, T) positions -> (B, V)
         draft logits for the token after the last one (with `every`: (B, T, V), after each), over the full
-        vocabulary (-inf outside the head's). A stateful head takes all T inputs into its cache."""
+        vocabulary (-inf outside the head's). A stateful head takes all T inputs into its cache; a top-reading
+        head reads each input's parent's state (`parents`, see TopStates.normed)."""
         if self.head_cache is not None:
             out = self.head_cache.feed(state, hidden, positions)
             sub = self.head.logits(out if every else out[:, -1:], state.adapter)
+        elif self.tops is not None:
+            normed = self.tops.normed(self.head, state.adapter, hidden, parents)
+            sub = lm_logits(state.adapter, normed if every else normed[:, -1:], self.head.vocab_ids)
         else:
             sub = self.head(hidden if every else hidden[:, -1:], state.adapter)
         sub = sub.float() if every else sub[:, -1].float()
@@ -47,17 +57,21 @@ class EarlyExitDrafter(Drafter):
         full = sub.new_full((*sub.shape[:-1], state.vocab_size), float("-inf"))
         return full.index_copy_(sub.dim() - 1, self.head.vocab_ids.to(sub.device), sub)
 
-    def run(self, state, inputs: torch.Tensor, positions: torch.Tensor,
-            every: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, state, inputs: torch.Tensor, positions: torch.Tensor, every: bool = False,
+            parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) inputs at (B, T) positions through layers [0, E) (into the shared cache), then the head: their
         (B, T, H) layer-E states and the (B, V) draft logits for the token after the last one (with `every`:
-        (B, T, V), after each, as a tree level needs). The hybrid drafter runs its head drafts through this too."""
+        (B, T, V), after each, as a tree level needs). The inputs are the step's next verify inputs; `parents`
+        (B, T) are their parents' verify-input indices in a tree (None: each follows the one before). The hybrid
+        drafter runs its head drafts through this too."""
         hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
-        return hidden, self.head_logits(state, hidden, positions, every)
+        return hidden, self.head_logits(state, hidden, positions, every, parents)
 
     def run_level(self, state):
-        """The tree grower's level runner: inputs, positions -> states and logits after every input."""
-        return lambda inputs, positions: self.run(state, inputs, positions, every=True)
+        """The tree grower's level runner: inputs, positions, their parents' verify-input indices (None for the
+        root) -> states and logits after every input."""
+        return lambda inputs, positions, parents=None: self.run(state, inputs, positions, every=True,
+                                                                 parents=parents)
 
     def propose(self, state, k: int) -> Draft:
         if k == 0:
@@ -92,6 +106,41 @@ class EarlyExitDrafter(Drafter):
             hidden=torch.cat(hiddens[: width + 1], dim=1),
             hidden_layer=self.exit_layer,
         )
+
+
+class TopStates:
+    """What a top-reading head reads during one generate call: `last` (B, H), the final-normed state of the last
+    verified position (the verifier's own: from prefill, then from each verification at the accepted count), and
+    `step`, the head's own normed output for each verify input drafted from so far this step, in input order,
+    which the inputs after it read in place of the final states they cannot have yet."""
+
+    def __init__(self):
+        self.last, self.step = None, []
+
+    def begin(self, state) -> None:
+        self.last, self.step = state.prompt_hidden[1][:, -1], []  # left padding: the last column is real
+
+    def accepted(self, state, n: torch.Tensor) -> None:
+        top = state.last_verify.top  # (B, k + 1, H): the step's inputs (after a tree, its path)
+        self.last = top.gather(1, n.to(top.device)[:, None, None].expand(-1, 1, top.shape[-1]))[:, 0]
+        self.step = []
+
+    def normed(self, head, adapter, hidden: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
+        """(B, T, H) layer-E states of the step's next T verify inputs -> the head's (B, T, H) normed outputs,
+        kept for the inputs after them. Each input reads its parent's output (`parents` (B, T) verify-input
+        indices, from a tree's earlier levels), or with parents=None the one of the input before it, in order;
+        the step's first input (the pending token) reads the last verified state."""
+        if parents is not None:
+            done = torch.cat(self.step, dim=1)  # (B, inputs so far, H)
+            out = head.normed(hidden, adapter, done.gather(1, parents[..., None].expand(-1, -1, done.shape[-1])))
+            self.step.append(out)
+            return out
+        outs = []
+        for t in range(hidden.shape[1]):  # each needs the one before: an MLP call per input
+            prev = self.step[-1][:, -1:] if self.step else self.last[:, None]
+            self.step.append(head.normed(hidden[:, t : t + 1], adapter, prev))
+            outs.append(self.step[-1])
+        return torch.cat(outs, dim=1)
 
 
 class HeadCache:

@@ -19,7 +19,8 @@ from .base import Draft
 
 
 def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: float = 0.0) -> Draft:
-    """run_level(inputs (B, F), positions (B, F)) -> (layer-E states (B, F, H), draft logits (B, F, V)).
+    """run_level(inputs (B, F), positions (B, F), parents (B, F) or None) -> (layer-E states (B, F, H), draft
+    logits (B, F, V)); parents are the inputs' parents' verify-input indices, None for the root.
     Returns a tree Draft of at most `size` nodes and `depth` levels per row (parents, hidden, no q).
 
     threshold: the chain's confidence rule for trees: growth stops once no row has a child whose cumulative draft
@@ -31,10 +32,11 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
     frontier = state.pending[:, None]  # (B, F) tokens of the nodes to run next
     frontier_inputs = torch.zeros(b, 1, dtype=torch.long, device=device)  # their verify-input indices
     frontier_score = torch.zeros(b, 1, device=device)  # cumulative draft log-probability
+    frontier_parents = None  # the root's parent is the verified prefix
     hiddens, leaves = [], []
     for level in range(1, depth + 1):
         slots.tree = (base, tree_ancestors(run_parents, level))
-        hidden, logits = run_level(frontier, (state.pos[:, None] + (level - 1)).expand_as(frontier))
+        hidden, logits = run_level(frontier, (state.pos[:, None] + (level - 1)).expand_as(frontier), frontier_parents)
         hiddens.append(hidden)
         logp = torch.log_softmax(state.process(logits), dim=-1)  # (B, F, V)
         top_logp, top_tokens = logp.topk(top_k, dim=-1)  # (B, F, top_k)
@@ -49,7 +51,8 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
             frontier, frontier_score = tokens.gather(1, pick), score.gather(1, pick)
             frontier_inputs = run_tokens.shape[1] + 1 + torch.arange(width, device=device)[None, :].expand(b, -1)
             run_tokens = torch.cat([run_tokens, frontier], dim=1)
-            run_parents = torch.cat([run_parents, parents.gather(1, pick)], dim=1)
+            frontier_parents = parents.gather(1, pick)
+            run_parents = torch.cat([run_parents, frontier_parents], dim=1)
             score = score.scatter(1, pick, float("-inf"))  # the frontier is no leaf
         leaves.append((tokens, parents, score))
         if width == 0:

@@ -111,7 +111,8 @@ def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new:
     from selfspec.tools.replay import accepted_drafts, replay_greedy
 
     n = answer.numel()
-    rounds = TopRounds(head, adapter, states) if head.stateful and head.context == "top" else None
+    rounds = TopRounds(head, adapter, states) if head.stateful and head.context == "top" else \
+        TopChain(head, adapter, states) if head.reads_top else None
     hits = None if rounds else (first_drafts(head, adapter, states, p, n) == answer).tolist()
 
     def step(done: int, room: int) -> int:
@@ -153,6 +154,26 @@ class TopRounds:
             self.have_top = r
         out = self._attend(self.early[:, r : r + room], r)
         return self.head.token_ids(self.head.logits(out, self.adapter)[0].argmax(-1))
+
+
+class TopChain:
+    """Drafts of a top-reading MLP head as the decode loop makes them: a round whose pending token sits at r
+    reads the final state at r - 1, each later draft the head's own estimate at the position before it."""
+
+    def __init__(self, head, adapter, states):
+        self.head, self.adapter = head, adapter
+        self.early, self.top = states[head.exit_layer], states[-1]  # (1, T, H)
+
+    def drafts(self, r: int, room: int) -> torch.Tensor:
+        """(room,) draft ids for positions r+1 .. r+room of a round whose pending token sits at position r."""
+        from selfspec.heads import lm_logits
+
+        prev = self.top[:, r - 1 : r] if r > 0 else torch.zeros_like(self.top[:, :1])
+        ids = []
+        for i in range(room):
+            prev = self.head.normed(self.early[:, r + i : r + i + 1], self.adapter, prev)
+            ids.append(lm_logits(self.adapter, prev, self.head.vocab_ids)[0, 0].argmax(-1))
+        return self.head.token_ids(torch.stack(ids)) if ids else torch.zeros(0, dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------------------------------------------

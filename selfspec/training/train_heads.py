@@ -34,7 +34,7 @@ class TrainConfig:
     exit_layers: list = field(default_factory=lambda: [4, 6, 8, 12])  # one head each, all from one data pass
     head: str = "mlp"  # "mlp": residual MLP adapter; "attn": a copied decoder layer with its own KV cache
     rank: int = 1152  # hidden width of the MLP adapter
-    context: str = "early"  # attn only: what verified positions look like to the head, "early" or "top" states
+    context: str = "early"  # "top": the head also reads final states (attn: of verified positions; mlp: of the one before)
     source_layer: int | None = None  # attn only: the layer copied to start from; None = the exit layer itself
     seq_batch: int = 8  # attn only: whole sequences per step (it attends over them)
     round_len_max: int = 5  # attn "top" only: draft rounds of 1..this many tokens are sampled while training
@@ -65,7 +65,8 @@ OPTION_HELP = {
     "exit_layers": "comma-separated exit layers, one head each, all trained from one data pass (e.g. 4,6,8,12)",
     "head": "head design: mlp (residual MLP adapter) or attn (a copied decoder layer with its own KV cache)",
     "rank": "hidden width of the MLP adapter",
-    "context": "attn only: what verified positions look like to the head, early (layer-E) or top (final) states",
+    "context": "early, or top: the head also reads final states (attn: of verified positions as its context; mlp: "
+               "of the position before, EAGLE's feature)",
     "source_layer": "attn only: the decoder layer copied to start from (default: the exit layer itself)",
     "seq_batch": "attn only: whole sequences per step",
     "round_len_max": "attn with context top only: draft rounds of 1..this many tokens are sampled in training",
@@ -123,7 +124,10 @@ def load_config(argv) -> TrainConfig:
 
 # ----------------------------------------------------------------------------------------------------------------
 # data: rows whose target is a response token; whole sequences held out for evaluation
-def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int):
+def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int, prev_top: bool = False):
+    """(train, held, manifest): rows whose target is an answer token, as dicts of (N, ...) tensors. With `prev_top`,
+    "prev.final" holds each row's previous row's final state (zeros at a sequence's first row), a top-reading MLP
+    head's input."""
     manifest = json.load(open(os.path.join(data_dir, "manifest.json")))
     missing = [e for e in exit_layers if e not in manifest["exit_layers"]]
     if missing:
@@ -143,6 +147,10 @@ def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, se
         keep = shard["positions"] >= first_response_row
         for k in keys:
             parts[k].append(shard[k][keep])
+        if prev_top:
+            prev = torch.cat([torch.zeros_like(shard["hidden.final"][:1]), shard["hidden.final"][:-1]])
+            prev[offsets[:-1]] = 0  # a sequence's first row has none
+            parts.setdefault("prev.final", []).append(prev[keep])
         parts["seq"].append(seq_of_row[keep] + seq_base)
         seq_base += len(offsets) - 1
     data = {k: torch.cat(v) for k, v in parts.items()}
@@ -164,10 +172,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def distill_loss(head, hidden, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
+def distill_loss(head, hidden, final, top1, adapter, vocab_ids, vocab_index, ce_weight, prev_top=None):
     """KL(teacher || head) over the draft vocabulary plus CE on the teacher's top-1 where it is in it.
-    hidden, final: (N, H) layer-E and final-normed states; top1: (N,) teacher argmax over the full vocabulary."""
-    return distill_terms(head(hidden, adapter), final, top1, adapter, vocab_ids, vocab_index, ce_weight)
+    hidden, final: (N, H) layer-E and final-normed states; top1: (N,) teacher argmax over the full vocabulary;
+    prev_top: (N, H) the previous positions' final states, for a top-reading head."""
+    return distill_terms(head(hidden, adapter, prev_top), final, top1, adapter, vocab_ids, vocab_index, ce_weight)
 
 
 def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
@@ -187,7 +196,8 @@ def agreement(head, rows, key, adapter, chunk=4096) -> float:
     hits = 0
     for i in range(0, len(rows["teacher_top1"]), chunk):
         h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
-        pred = head(h, adapter).argmax(-1)
+        prev = rows["prev.final"][i : i + chunk].to(h.device, h.dtype) if head.reads_top else None
+        pred = head(h, adapter, prev).argmax(-1)
         ids = head.token_ids(pred)
         hits += int((ids.cpu() == rows["teacher_top1"][i : i + chunk].long()).sum())
     return hits / max(1, len(rows["teacher_top1"]))
@@ -284,7 +294,9 @@ def main(argv=None) -> int:
     selfspec.wrap(model, exit_layer=cfg.exit_layers[0])
     adapter = model.selfspec.adapter
 
-    train_rows, held_rows, manifest = load_rows(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
+    mlp_top = cfg.head == "mlp" and cfg.context == "top"
+    train_rows, held_rows, manifest = load_rows(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed,
+                                                prev_top=mlp_top)
     n = len(train_rows["target_ids"])
     print(f"{n} training rows, {len(held_rows['target_ids'])} held-out rows, exit layers {cfg.exit_layers}")
 
@@ -312,7 +324,7 @@ def main(argv=None) -> int:
         train_seqs, held_seqs = load_sequences(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
         measure = lambda e, h: attention_agreement(h, held_seqs, adapter, cfg)  # noqa: E731
     elif cfg.head == "mlp":
-        heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids).to(cfg.device, dtype)
+        heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids, context=cfg.context).to(cfg.device, dtype)
                  for e in cfg.exit_layers}
         measure = lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter)  # noqa: E731
     else:
@@ -349,8 +361,9 @@ def main(argv=None) -> int:
             idx = torch.randint(0, n, (cfg.batch_size,), generator=g)
             final = train_rows["hidden.final"][idx].to(cfg.device, dtype)
             top1 = train_rows["teacher_top1"][idx].long().to(cfg.device)
+            prev = train_rows["prev.final"][idx].to(cfg.device, dtype) if mlp_top else None
             loss = sum(distill_loss(h, train_rows[f"hidden.{e}"][idx].to(cfg.device, dtype), final, top1, adapter,
-                                    vocab_ids, vocab_index, cfg.ce_weight) for e, h in heads.items())
+                                    vocab_ids, vocab_index, cfg.ce_weight, prev) for e, h in heads.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
