@@ -110,18 +110,22 @@ def test_greedy_identity_padded_batch(family):
         assert torch.equal(out, ref), (family, exit_layer, k, threshold)
 
 
+@pytest.mark.parametrize("drafter", ["early_exit", "hybrid"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_identity_with_each_head(kind):
-    """Heads with a KV cache of their own (attention adapters) draft over the tree and follow its path."""
+def test_greedy_identity_with_each_head(kind, drafter):
+    """Heads with a KV cache of their own (attention adapters) draft over the tree and follow its path; heads
+    that read final states get them through trees, chains and the hybrid's n-gram prefixes alike."""
     model = make_model("llama", 4)
     ids, mask = padded_batch(seed=3)
     ref = model.generate(ids, attention_mask=mask, **GEN)
-    selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, draft_tree_top_k=3, draft_tree_size=10)
-    model.selfspec.add_head(_heads(model=model)[kind])
-    try:
-        assert torch.equal(model.generate(ids, attention_mask=mask, **GEN), ref)
-    finally:
-        selfspec.unwrap(model)
+    for top_k in (1, 3):
+        selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, draft_tree_top_k=top_k, draft_tree_size=10,
+                      drafter=drafter, hybrid_min_match=1)
+        model.selfspec.add_head(_heads(model=model)[kind])
+        try:
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GEN), ref), top_k
+        finally:
+            selfspec.unwrap(model)
 
 
 def test_a_tree_accepts_more_than_its_chain_on_a_flat_model():
