@@ -153,9 +153,14 @@ def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, se
             parts.setdefault("prev.final", []).append(prev[keep])
         parts["seq"].append(seq_of_row[keep] + seq_base)
         seq_base += len(offsets) - 1
-    data = {k: torch.cat(v) for k, v in parts.items()}
-    is_held = torch.isin(data["seq"], held_out_sequences(seq_base, holdout_fraction, seed))
-    return ({k: v[~is_held] for k, v in data.items()}, {k: v[is_held] for k, v in data.items()}, manifest)
+    # key by key, each source freed once copied: the peak stays near one copy of the data plus one key
+    is_held = torch.isin(torch.cat(parts["seq"]), held_out_sequences(seq_base, holdout_fraction, seed))
+    train, held = {}, {}
+    for k in list(parts):
+        column = torch.cat(parts.pop(k))
+        train[k], held[k] = column[~is_held], column[is_held]
+        del column
+    return train, held, manifest
 
 
 def held_out_sequences(n_seqs: int, fraction: float, seed: int) -> torch.Tensor:
