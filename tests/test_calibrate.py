@@ -337,3 +337,18 @@ def test_a_study_refuses_other_heads_at_the_same_layers(tmp_path):
             with pytest.raises(ValueError, match="head_weights"):
                 calibrate(model, _prompts(2), spec, storage=storage, study_name="s", trials=1, **QUIET)
         selfspec.unwrap(model)
+
+
+def test_a_top_reading_head_calibrates(tmp_path):
+    """The cost model times and replays a head that reads final states; its chain and tree trials stay exact."""
+    from test_heads import _heads
+
+    model = make_model("llama", 4)
+    selfspec.wrap(model, exit_layer=2)
+    model.selfspec.add_head(_heads()["mlp-top"])
+    try:
+        spec = _spec(exit_layer=[2], max_draft_tokens=[3], draft_tree_top_k=[1, 2], draft_tree_size=[4])
+        result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=3, **QUIET)
+        assert result.report["all_outputs_match_plain"] and result.report["counts"]["measured"] >= 2
+    finally:
+        selfspec.unwrap(model)
