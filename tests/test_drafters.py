@@ -287,14 +287,32 @@ SAMPLING_CASES = {
     "ngram-tree": dict(drafter="ngram", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3, draft_tree_size=6),
     "hybrid-tree": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, hybrid_min_match=1, draft_tree_top_k=2,
                         draft_tree_size=6),
+    # a head that reads the previous position's final state (its own estimate after the first draft)
+    "top-head": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, head="mlp-top"),
+    "top-head-tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3,
+                          draft_tree_size=6, head="mlp-top"),
 }
+
+
+def _top_head(hidden_size: int, dtype):
+    """A top-reading MLP head at layer 1, near the plain exit but depending on the state it reads."""
+    from selfspec.heads import MLPHead
+
+    torch.manual_seed(7)
+    head = MLPHead(1, hidden_size, 2 * hidden_size, context="top").to(dtype)
+    for w in (head.down.weight, head.top_in.weight):
+        torch.nn.init.normal_(w, std=0.02)
+    return head
 
 
 def _sampled_pvalues(target_and_exact, case):
     model, exact = target_and_exact
     cfg = dict(SAMPLING_CASES[case])
     cfg.setdefault("drafter", _tiny(23, layers=1))
+    head = cfg.pop("head", None)
     selfspec.wrap(model, **cfg)
+    if head:
+        model.selfspec.add_head(_top_head(model.config.hidden_size, model.dtype))
     try:
         torch.manual_seed(1234)
         out = model.generate(PROMPT.repeat(ROWS, 1), **SAMPLE)[:, PROMPT.shape[1]:]
