@@ -1,34 +1,56 @@
-"""Eval-split agreement of the E=4 MLP heads against the ShareGPT tokens they were trained on (the learning curve of
-the heads issue), from the results.json files `python -m train.eval_heads` wrote.
+"""Eval-split agreement of the exit heads against the ShareGPT tokens they were trained on, one line per design and
+exit (the learning curve of the heads issue), from the results.json files `python -m train.eval_heads` wrote.
 
-    python scripts/plot_learning_curve.py --output bench_results/heads-eval-sharegpt-e4-full/learning_curve.png
+    python scripts/plot_learning_curve.py
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-# design name in the eval results -> assistant tokens its head was trained on (README, "ShareGPT self-distillation")
-TOKENS = {"sharegpt-250k": 250_000, "sharegpt-880k": 880_000, "sharegpt-2.2M": 2_208_755}
-MT_BENCH_HEAD = ("mlp", 64_000)  # the earlier head, trained on the model's answers to MT-bench questions
-RESULTS = ("bench_results/heads-eval-sharegpt-e4/results.json", "bench_results/heads-eval-sharegpt-e4-full/results.json")
+# the size part of a design name in the eval results -> assistant tokens in that ShareGPT snapshot
+TOKENS = {"250k": 250_000, "880k": 880_000, "2.2M": 2_208_755}
+MT_BENCH_HEAD = ("mlp", 4, 64_000)  # the earlier head (design "mlp", exit 4), trained on MT-bench answers
+RESULTS = ("bench_results/heads-eval-sharegpt-e4/results.json",
+           "bench_results/heads-eval-sharegpt-e4-full/results.json",
+           "bench_results/heads-eval-sharegpt-e2-e8-curve/results.json",
+           "bench_results/heads-eval-sharegpt-e2-e8/results.json",
+           "bench_results/heads-eval-sharegpt-e15/results.json",
+           "bench_results/heads-eval-sharegpt-top-e2/results.json")
 
 
-def agreement_by_design(paths) -> dict[str, float]:
-    """design -> eval-split agreement at exit 4; a later file wins where two measured the same design."""
+def agreement_by_design(paths) -> dict[tuple[str, int], float]:
+    """(design, exit) -> eval-split agreement; a later file wins where two measured the same pair."""
     out = {}
     for path in paths:
         with open(path) as f:
             for row in json.load(f)["replay"]:
-                if row["exit"] == 4:
-                    out[row["design"]] = row["agreement"]
+                out[(row["design"], row["exit"])] = row["agreement"]
     return out
+
+
+def curve_key(design: str, exit_layer: int) -> tuple[str, int] | None:
+    """(line label, tokens) of a ShareGPT design ("sharegpt-<size>[-<suffix>]"), None for other designs."""
+    parts = design.split("-")
+    if parts[0] != "sharegpt" or parts[1] not in TOKENS:
+        return None
+    kind = "MLP reading the previous final state" if "top" in parts[2:] else "MLP"
+    return f"{kind}, E={exit_layer}", TOKENS[parts[1]]
+
+
+def curves(agreement: dict) -> dict[str, list[tuple[int, float]]]:
+    lines: dict[str, list] = {}
+    for (design, exit_layer), value in agreement.items():
+        key = curve_key(design, exit_layer)
+        if key is not None:
+            lines.setdefault(key[0], []).append((key[1], 100 * value))
+    return {label: sorted(points) for label, points in sorted(lines.items())}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", nargs="+", default=list(RESULTS))
-    p.add_argument("--output", default="bench_results/heads-eval-sharegpt-e4-full/learning_curve.png")
+    p.add_argument("--output", default="bench_results/heads-learning-curve.png")
     args = p.parse_args(argv)
     import matplotlib
 
@@ -36,21 +58,22 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
 
     agreement = agreement_by_design(args.results)
-    curve = sorted((TOKENS[d], 100 * a) for d, a in agreement.items() if d in TOKENS)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([t for t, _ in curve], [a for _, a in curve], "o-", label="ShareGPT, self-distilled")
-    if MT_BENCH_HEAD[0] in agreement:
-        ax.plot([MT_BENCH_HEAD[1]], [100 * agreement[MT_BENCH_HEAD[0]]], "s", label="MT-bench answers")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in curves(agreement).items():
+        ax.plot([t for t, _ in points], [a for _, a in points], "o-", label=label)
+        for tokens, value in points:
+            print(f"{label:<40} {tokens:>9,} tokens: {value:.1f} %")
+    design, exit_layer, tokens = MT_BENCH_HEAD
+    if (design, exit_layer) in agreement:
+        ax.plot([tokens], [100 * agreement[(design, exit_layer)]], "s", label=f"MLP, E={exit_layer}, MT-bench answers")
     ax.set_xscale("log")
     ax.set_xlabel("assistant tokens trained on")
-    ax.set_ylabel("eval-split top-1 agreement, E=4 (%)")
-    ax.set_title("SmolLM2-135M MLP exit head at layer 4")
+    ax.set_ylabel("eval-split top-1 agreement (%)")
+    ax.set_title("SmolLM2-135M exit heads on Spec-Bench's eval split")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.output, dpi=120)
-    for tokens, value in curve:
-        print(f"{tokens:>9,} tokens: {value:.1f} %")
     print(f"wrote {args.output}")
 
 

@@ -50,19 +50,19 @@ def test_padded_batch_on_real_model(smollm2, prompts):
         assert out[r, width : width + new.numel()].tolist() == new.tolist()
 
 
-@pytest.mark.parametrize("design", ["shipped-mlp", "attn-early", "attn-top"])
+@pytest.mark.parametrize("design", ["shipped", "shipped-tree", "attn-early", "attn-top"])
 def test_greedy_identity_with_each_head_design(smollm2, prompts, design):
-    """The shipped MLP heads and both attention-head contexts (a perturbed copy of layer 8, its drafts neither
-    all right nor all wrong) keep SmolLM2's greedy output unchanged."""
+    """The shipped head at its own exit (chains and trees) and both attention-head contexts (a perturbed copy of
+    layer 8, its drafts neither all right nor all wrong) keep SmolLM2's greedy output unchanged."""
     from selfspec.heads import AttentionHead
     from selfspec.pretrained import shipped_dir
 
     model, tok = smollm2
     ids = prompts[0]
     ref = model.generate(ids, max_new_tokens=32, do_sample=False)
-    if design == "shipped-mlp":
-        selfspec.wrap(model, shipped_dir("smollm2-135m"), exit_layer=8, max_draft_tokens=4,
-                      draft_confidence_threshold=0.0)
+    if design.startswith("shipped"):
+        selfspec.wrap(model, shipped_dir("smollm2-135m"), drafter="early_exit", max_draft_tokens=4,
+                      draft_confidence_threshold=0.0, draft_tree_top_k=3 if design.endswith("tree") else 1)
     else:
         selfspec.wrap(model, exit_layer=8, max_draft_tokens=4)
         head = AttentionHead.from_model(model.selfspec.adapter, 8, context=design.split("-")[1])
