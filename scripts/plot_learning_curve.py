@@ -16,7 +16,8 @@ RESULTS = ("bench_results/heads-eval-sharegpt-e4/results.json",
            "bench_results/heads-eval-sharegpt-e2-e8-curve/results.json",
            "bench_results/heads-eval-sharegpt-e2-e8/results.json",
            "bench_results/heads-eval-sharegpt-e15/results.json",
-           "bench_results/heads-eval-sharegpt-top-e2/results.json")
+           "bench_results/heads-eval-sharegpt-top-e2/results.json",
+           "bench_results/heads-eval-sharegpt-top-e2-250k/results.json")
 
 
 def agreement_by_design(paths) -> dict[tuple[str, int], float]:
