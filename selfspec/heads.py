@@ -36,7 +36,9 @@ class ExitHead(nn.Module):
     def normed(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
         """(B, T, H) final-normed output, the state the draft logits come from (a top-reading head's estimate of
         the final state there, which the next draft reads as its `prev_top`)."""
-        return adapter.final_norm(self.transform(hidden, adapter, prev_top))
+        # heads that read no final state keep the two-argument transform (subclasses written for it still work)
+        h = self.transform(hidden, adapter, prev_top) if self.reads_top else self.transform(hidden, adapter)
+        return adapter.final_norm(h)
 
     def forward(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
         return lm_logits(adapter, self.normed(hidden, adapter, prev_top), self.vocab_ids)
