@@ -35,6 +35,17 @@ def test_suffix_match_longest_then_most_recent():
     assert _match([1, 2, 3, 4]) == (0, 0)  # nothing recurs
     assert _match([4, 4, 4, 4], n_max=3) == (3, 2)  # overlapping occurrences count
     assert _match([1, 6, 2, 3, 6], n_max=3, n_min=2) == (0, 0)  # a 1-gram match is below n_min
+    assert _match([5, 5], n_max=5) == (1, 0)  # a text shorter than n_max (a one-token prompt, one token out)
+
+
+@pytest.mark.parametrize("name", ["ngram", "hybrid"])
+def test_a_one_token_prompt_with_long_ngrams(name):
+    """The first steps of a one-token prompt look back further than the text reaches."""
+    model = make_model("llama", LAYERS)
+    ids = torch.tensor([[7]])
+    ref = model.generate(ids, **GEN)
+    out, _, _ = _speculative(model, ids, None, name, exit_layer=2, max_draft_tokens=4, ngram_max=5)
+    assert torch.equal(out, ref)
 
 
 def test_suffix_match_ignores_padding():

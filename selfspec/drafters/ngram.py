@@ -52,7 +52,9 @@ def suffix_matches(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: in
     for d in range(n_max):
         suffix_tok = text.gather(1, (last - d).clamp(min=0)[:, None])  # (B, 1)
         suffix_ok = (last - d >= 0)[:, None] & (suffix_tok != _PAD)
-        shifted = text if d == 0 else torch.nn.functional.pad(text[:, :-d], (d, 0), value=_SHIFT_FILL)
+        # text moved d to the right (a text shorter than d is all fill: no occurrence reaches back that far)
+        shifted = text if d == 0 else torch.nn.functional.pad(text[:, : max(length - d, 0)], (min(d, length), 0),
+                                                              value=_SHIFT_FILL)
         run &= (shifted == suffix_tok) & suffix_ok
         n = d + 1
         if n < n_min:
