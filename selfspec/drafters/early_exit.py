@@ -117,13 +117,16 @@ class TopStates:
     def __init__(self):
         self.last, self.step = None, []
 
+    def start(self, last: torch.Tensor) -> None:
+        """A new step after the verified position whose final-normed state is `last` (B, H)."""
+        self.last, self.step = last, []
+
     def begin(self, state) -> None:
-        self.last, self.step = state.prompt_hidden[1][:, -1], []  # left padding: the last column is real
+        self.start(state.prompt_hidden[1][:, -1])  # left padding: the last column is real
 
     def accepted(self, state, n: torch.Tensor) -> None:
         top = state.last_verify.top  # (B, k + 1, H): the step's inputs (after a tree, its path)
-        self.last = top.gather(1, n.to(top.device)[:, None, None].expand(-1, 1, top.shape[-1]))[:, 0]
-        self.step = []
+        self.start(top.gather(1, n.to(top.device)[:, None, None].expand(-1, 1, top.shape[-1]))[:, 0])
 
     def normed(self, head, adapter, hidden: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
         """(B, T, H) layer-E states of the step's next T verify inputs -> the head's (B, T, H) normed outputs,

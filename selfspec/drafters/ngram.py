@@ -2,10 +2,11 @@
 
 No parameters and no forward pass. With draft trees (draft_tree_top_k > 1) the continuations of the top_k most
 recent occurrences become the branches of a tree, merged where they share a prefix. Row b's text is
-`state.seq[b, :state.seq_len[b]]` (its prompt, then what it generated) with the prompt's padding ignored. For n from `ngram_max` down to `ngram_min`, the row's last n tokens
-are looked up in that text; the first n that has a match wins, and the drafted tokens are the up to k tokens that
-followed its most recent occurrence. The draft is a point mass (Draft.q = None) and brings no hidden states
-(Draft.hidden = None): the verifier runs every layer over the drafted positions.
+`state.seq[b, :state.seq_len[b]]` (its prompt, then what it generated) with the prompt's padding ignored. For n
+from `ngram_max` down to `ngram_min`, the row's last n tokens are looked up in that text; the first n that has a
+match wins, and the drafted tokens are the up to k tokens that followed its most recent occurrence. The draft is a
+point mass (Draft.q = None) and brings no hidden states (Draft.hidden = None): the verifier runs every layer over
+the drafted positions.
 
 The lookup is vectorised over the batch: one (B, S) comparison per suffix offset d < ngram_max, so a step costs
 O(B * S * ngram_max) elementwise work and no per-row Python.

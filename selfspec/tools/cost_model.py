@@ -173,12 +173,10 @@ def _time_exit_head(engine, exit_layer: int, hidden: torch.Tensor, repeats: int)
     """One drafted token's head cost: the head, the full-vocabulary scatter of a reduced head, softmax, argmax."""
     drafter = EarlyExitDrafter(engine.head_for(exit_layer))
     state = SimpleNamespace(adapter=engine.adapter, vocab_size=engine.adapter.vocab_size)
-    if drafter.tops is not None:  # a top-reading head costs the same with any final state of the right shape
-        drafter.tops.last = hidden[:, -1]
 
     def run():
-        if drafter.tops is not None:
-            drafter.tops.step = []  # each call a step's first draft
+        if drafter.tops is not None:  # each call a step's first draft (any final state of this shape costs the same)
+            drafter.tops.start(hidden[:, -1])
         probs = drafter.head_logits(state, hidden).softmax(-1)
         return probs.max(-1).values, probs.argmax(-1)
 

@@ -157,23 +157,24 @@ class TopRounds:
 
 
 class TopChain:
-    """Drafts of a top-reading MLP head as the decode loop makes them: a round whose pending token sits at r
-    reads the final state at r - 1, each later draft the head's own estimate at the position before it."""
+    """Drafts of a top-reading MLP head as the decode loop makes them (the drafter's own TopStates): a round whose
+    pending token sits at r reads the final state at r - 1, each later draft the head's own estimate before it."""
 
     def __init__(self, head, adapter, states):
-        self.head, self.adapter = head, adapter
+        from selfspec.drafters.early_exit import TopStates
+
+        self.head, self.adapter, self.tops = head, adapter, TopStates()
         self.early, self.top = states[head.exit_layer], states[-1]  # (1, T, H)
 
     def drafts(self, r: int, room: int) -> torch.Tensor:
         """(room,) draft ids for positions r+1 .. r+room of a round whose pending token sits at position r."""
         from selfspec.heads import lm_logits
 
-        prev = self.top[:, r - 1 : r] if r > 0 else torch.zeros_like(self.top[:, :1])
-        ids = []
-        for i in range(room):
-            prev = self.head.normed(self.early[:, r + i : r + i + 1], self.adapter, prev)
-            ids.append(lm_logits(self.adapter, prev, self.head.vocab_ids)[0, 0].argmax(-1))
-        return self.head.token_ids(torch.stack(ids)) if ids else torch.zeros(0, dtype=torch.long)
+        if room == 0:
+            return torch.zeros(0, dtype=torch.long)
+        self.tops.start(self.top[:, r - 1] if r > 0 else torch.zeros_like(self.top[:, 0]))
+        normed = self.tops.normed(self.head, self.adapter, self.early[:, r : r + room], None)  # (1, room, H)
+        return self.head.token_ids(lm_logits(self.adapter, normed, self.head.vocab_ids)[0].argmax(-1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
