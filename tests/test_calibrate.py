@@ -168,6 +168,37 @@ def test_planted_optimum_is_found_first(tmp_path):
     assert result.report["cost_model"]["acceptance_profile"]["2"]["agreement"] == 1.0
 
 
+def test_exactness_tells_a_difference_from_identity():
+    """The calibrator's verdict on a trial's outputs: plain generate's own outputs are identical; a token planted
+    where the plain model's choice is clear (float64) is a difference, not a near-tie."""
+    from selfspec.tools.calibrate.trials import _pad_id, exactness, time_generation
+    from selfspec.tools.verdict import PlainLogits
+
+    model = make_model("llama", 4, agreeable=False)
+    prompts = _prompts(2)
+    plain = time_generation(model, prompts, 10, plain=True)
+    logits = PlainLogits(model, {"pad_token_id": _pad_id(model)})
+    assert exactness(model, logits, prompts, plain.outputs, plain.outputs, 5) == {
+        "identical": 2, "near-tie": 0, "differs": 0}
+    planted = [o.clone() for o in plain.outputs]
+    planted[1][4] = (planted[1][4] + 1) % model.config.vocab_size
+    assert exactness(model, logits, prompts, planted, plain.outputs, 5) == {"identical": 1, "near-tie": 0, "differs": 1}
+
+
+def test_bfloat16_trials_get_a_verdict_not_an_alarm(tmp_path):
+    """In bfloat16 an output may part from plain generate at a near-tie of the plain model (its 1-token and
+    multi-token passes round differently): every measured trial carries its verdict counts into the report, and
+    none differs. (This tiny model's bf16 outputs happen to be identical; the verdict itself is tested above.)"""
+    model = make_model("llama", 4, agreeable=False, dtype=torch.bfloat16)
+    spec = _spec(new_tokens=24, exit_layer=[2])
+    result = calibrate(model, _prompts(3), spec, output=str(tmp_path), trials=3, **QUIET)
+    measured = [r for r in result.report["trials"] if r["measured"]]
+    assert measured and all(r["differs"] == 0 and r["near_ties"] is not None for r in measured), measured
+    ex = result.report["exactness"]
+    assert ex["differing_trials"] == 0 and ex["identical_trials"] + ex["near_tie_trials"] == len(measured)
+    assert "differ (a bug)" in open(tmp_path / "calibration_report.md").read()
+
+
 def test_tree_shapes_join_the_study(tmp_path):
     """With trees in the space, tree trials are predicted, measured and exact, and the best tree is kept apart
     from the best chain in per_drafter (the bench's selfspec-tree reads "early_exit-tree")."""

@@ -29,7 +29,8 @@ def trial_rows(study) -> list[dict]:
                      "acceptance_rate": attrs.get("acceptance_rate"),
                      "mean_accepted_tokens": attrs.get("mean_accepted_tokens"),
                      "draft_seconds": attrs.get("draft_seconds"), "verify_seconds": attrs.get("verify_seconds"),
-                     "matches_plain": attrs.get("matches_plain"), "measured": bool(attrs.get("measured")),
+                     "matches_plain": attrs.get("matches_plain"), "near_ties": attrs.get("near_ties"),
+                     "differs": attrs.get("differs"), "measured": bool(attrs.get("measured")),
                      "pruned_by_cost_model": attrs.get("pruned_by_cost_model"),
                      "enqueued_by": attrs.get("enqueued_by")})
     return rows
@@ -60,6 +61,10 @@ def build_report(study, session: Session, confirmed: list[dict], plain_tps: floa
         "study": {"name": study.study_name, "user_attrs": study.user_attrs},
         "measure": dataclasses.asdict(session.spec.measure), "space": session.space.to_dict(),
         "all_outputs_match_plain": all(r["matches_plain"] for r in measured),
+        # half precision: trials whose outputs part from plain only at near-ties (tools.verdict); any differs is a bug
+        "exactness": {"identical_trials": sum(1 for r in measured if r["matches_plain"]),
+                      "near_tie_trials": sum(1 for r in measured if r["near_ties"] and not r["differs"]),
+                      "differing_trials": sum(1 for r in measured if r["differs"])},
     }
 
 
@@ -79,8 +84,7 @@ def report_markdown(report: dict) -> str:
         "",
         f"Study `{report['study']['name']}`: {report['counts']['trials']} trials, {report['counts']['measured']} "
         f"measured, {report['counts']['pruned_by_cost_model']} pruned by the cost model, "
-        f"{report['counts']['duplicates']} duplicates. Greedy outputs of every measured trial equal plain generate: "
-        f"{report['all_outputs_match_plain']}.",
+        f"{report['counts']['duplicates']} duplicates. {_exactness_sentence(report)}",
         f"Measured on {report['measure']['max_new_tokens']} new tokens x prompts per trial; torch "
         f"{env.get('torch', '?')}, transformers {env.get('transformers', '?')}, {env.get('torch_threads', '?')} "
         f"threads, {_where(env)}.",
@@ -99,6 +103,15 @@ def report_markdown(report: dict) -> str:
     lines.append(f"| plain `generate` | {report['plain_tokens_per_s']:.2f} | x1.00 |")
     lines += _cost_model_markdown(report)
     return "\n".join(lines) + "\n"
+
+
+def _exactness_sentence(report: dict) -> str:
+    ex = report.get("exactness")
+    if ex is None:  # a report written before verdicts were kept
+        return f"Greedy outputs of every measured trial equal plain generate: {report['all_outputs_match_plain']}."
+    return (f"Greedy outputs against plain generate: {ex['identical_trials']} trials identical, "
+            f"{ex['near_tie_trials']} part from it only at near-ties of the plain model (half-precision rounding), "
+            f"{ex['differing_trials']} differ (a bug).")
 
 
 def _where(env: dict) -> str:

@@ -10,6 +10,7 @@ import torch
 from ...config import SelfSpecConfig
 from ...prompts import EVAL_CATEGORIES, chat_input_ids, load_prompts
 from ..measure import eos_ids_of, timed
+from ..verdict import DIFFERS, IDENTICAL, NEAR_TIE, PlainLogits, judge
 from .space import MeasureSpec
 
 
@@ -103,3 +104,26 @@ def time_setting(model, config: SelfSpecConfig, prompts, measure: MeasureSpec) -
     if measure.warmup_new_tokens:
         generate_once(model, prompts[0], measure.warmup_new_tokens, plain=False)
     return time_generation(model, prompts, measure.max_new_tokens, plain=False)
+
+
+# --- exactness -------------------------------------------------------------------------------------------------
+def verify_chunk(config: SelfSpecConfig) -> int:
+    """Most tokens one verify pass of `config` runs (the pending token plus a chain of K or a tree's nodes): the
+    pass shape whose rounding a half-precision near-tie is judged against."""
+    nodes = config.draft_tree_size if config.draft_tree_top_k > 1 else config.max_draft_tokens
+    return max(nodes, config.max_draft_tokens) + 1
+
+
+def exactness(model, plain: PlainLogits, prompts: list[torch.Tensor], outputs: list[torch.Tensor],
+              want: list[torch.Tensor], chunk: int) -> dict:
+    """Counts of prompts whose greedy output is identical to plain generate's (`want`), parts from it at a
+    near-tie of the plain model (half precision: tools.verdict), or differs (a bug). A float32 difference is
+    judged by the same rule, where the model's rounding leaves no room for a near-tie."""
+    counts = {IDENTICAL: 0, NEAR_TIE: 0, DIFFERS: 0}
+    for ids, got, ref in zip(prompts, outputs, want):
+        if torch.equal(got, ref):
+            counts[IDENTICAL] += 1
+            continue
+        verdict = judge(model, plain, ids[0].tolist(), got.tolist(), ref.tolist(), len(ref), chunk=chunk)
+        counts[verdict.kind] += 1
+    return counts
