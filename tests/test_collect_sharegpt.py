@@ -298,7 +298,11 @@ def test_onpolicy_and_the_trainer_loaders(setup):
     assert sum(int(s["loss"].sum()) for s in tr + he) == n
 
 
-@pytest.mark.parametrize("head", ["mlp", "mlp-top", "attn"])
+HEAD_ARGS = {"mlp": ["--head", "mlp"], "mlp-top": ["--head", "mlp", "--context", "top"],
+             "mlp-top-unroll": ["--head", "mlp", "--context", "top", "--unroll", "3"], "attn": ["--head", "attn"]}
+
+
+@pytest.mark.parametrize("head", list(HEAD_ARGS))
 def test_collect_then_train_heads_then_generate(setup, head):
     """The commands of the heads section end to end, on the test device (`SELFSPEC_TEST_DEVICE=cuda` runs them
     with --device cuda): collect, train two exits, load the saved heads, and generate what plain `generate` does."""
@@ -308,12 +312,12 @@ def test_collect_then_train_heads_then_generate(setup, head):
     cache = run(setup, f"e2e-{head}", "--device", TEST_DEVICE, onpolicy_share=0.3)
     out = setup["root"] / f"heads-{head}"
     argv = ["--model", str(setup["model_dir"]), "--data-dir", str(cache), "--out-dir", str(out), "--exit-layers",
-            "1,2", "--head", head.split("-")[0], "--context", "top" if head.endswith("top") else "early", "--steps", "12", "--batch-size", "64", "--eval-every", "6", "--checkpoint-every",
+            "1,2", *HEAD_ARGS[head], "--steps", "12", "--batch-size", "64", "--eval-every", "6", "--checkpoint-every",
             "6", "--draft-vocab-size", "40", "--device", TEST_DEVICE, "--dtype", "float32", "--threads", "1"]
     assert train_heads.main(argv) == 0
     model, tok = selfspec.load(str(out), dtype=torch.float32, device=TEST_DEVICE)
     assert sorted(model.selfspec.heads) == [1, 2] and model.device.type == torch.device(TEST_DEVICE).type
-    assert model.selfspec.heads[1].reads_top == head.endswith("top")
+    assert model.selfspec.heads[1].reads_top == ("top" in head)
     ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea and the sky."}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     ids = ids.to(TEST_DEVICE)

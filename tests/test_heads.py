@@ -122,6 +122,44 @@ def test_training_lowers_the_loss():
     assert losses[-1] < 0.5 * losses[0], losses[::10]
 
 
+def test_unrolled_loss_reads_the_heads_own_estimate():
+    """--unroll trains a top-reading head as the loop drafts: the second position of a run reads the head's own
+    normed output at the first, not the true final state (planting the true state in its place changes the loss)."""
+    from selfspec.training.train_heads import distill_terms, unroll_starts, unrolled_loss
+    from selfspec.heads import lm_logits
+
+    model = make_model("llama", 4, agreeable=False)
+    selfspec.wrap(model, exit_layer=2)
+    adapter, head = model.selfspec.adapter, _heads()["mlp-top"]
+    g = torch.Generator().manual_seed(0)
+    n = 10
+    rows = {"hidden.2": torch.randn(n, 32, generator=g, dtype=torch.float64),
+            "hidden.final": torch.randn(n, 32, generator=g, dtype=torch.float64),
+            "teacher_top1": torch.randint(0, VOCAB, (n,), generator=g)}
+    rows["prev.final"] = torch.cat([torch.zeros(1, 32, dtype=torch.float64), rows["hidden.final"][:-1]])
+    idx, index = torch.tensor([0, 4]), torch.arange(VOCAB)
+    got = unrolled_loss(head, rows, idx, "hidden.2", adapter, None, index, 0.3, "cpu", torch.float64, 2)
+
+    def loss_at(j, prev):
+        normed = head.normed(rows["hidden.2"][idx + j], adapter, prev)
+        return normed, distill_terms(lm_logits(adapter, normed, None), rows["hidden.final"][idx + j],
+                                     rows["teacher_top1"][idx + j], adapter, None, index, 0.3)
+    own, first = loss_at(0, rows["prev.final"][idx])
+    torch.testing.assert_close(got, (first + loss_at(1, own)[1]) / 2)
+    true_prev = (first + loss_at(1, rows["prev.final"][idx + 1])[1]) / 2  # what training without unroll sees
+    assert not torch.allclose(got, true_prev)
+    assert unroll_starts(torch.tensor([0, 0, 0, 1, 1, 2]), 2).tolist() == [0, 1, 3]
+    assert unroll_starts(torch.tensor([0, 0, 0, 1, 1, 2]), 3).tolist() == [0]
+
+
+def test_unroll_is_refused_for_heads_that_do_not_read_their_estimate():
+    from selfspec.training.train_heads import load_config
+
+    with pytest.raises(SystemExit, match="--unroll 2"):
+        load_config(["--head", "attn", "--context", "top", "--unroll", "2"])
+    assert load_config(["--head", "mlp", "--context", "top", "--unroll", "2"]).unroll == 2
+
+
 @pytest.mark.parametrize("tree", [{}, dict(draft_tree_top_k=2, draft_tree_size=6)], ids=["chain", "tree"])
 @pytest.mark.parametrize("context", ["early", "top"])
 def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context, tree):

@@ -38,6 +38,8 @@ class TrainConfig:
     source_layer: int | None = None  # attn only: the layer copied to start from; None = the exit layer itself
     seq_batch: int = 8  # attn only: whole sequences per step (it attends over them)
     round_len_max: int = 5  # attn "top" only: draft rounds of 1..this many tokens are sampled while training
+    unroll: int = 1  # mlp "top" only: consecutive positions per sample, each after the first reading the head's own
+    #                 estimate of the state before, as drafts 2.. do in the loop (1 = the true state only)
     draft_vocab_size: int = 8192  # the head scores only this many most frequent tokens; 0 = full vocabulary
     steps: int = 800  # optimizer steps
     batch_size: int = 256  # rows (positions) per step and head
@@ -70,6 +72,8 @@ OPTION_HELP = {
     "source_layer": "attn only: the decoder layer copied to start from (default: the exit layer itself)",
     "seq_batch": "attn only: whole sequences per step",
     "round_len_max": "attn with context top only: draft rounds of 1..this many tokens are sampled in training",
+    "unroll": "mlp with context top only: consecutive positions per sample, each after the first reading the head's "
+              "own estimate of the state before (what drafts 2.. read in the loop); 1 = the true state only",
     "draft_vocab_size": "the head scores only this many most frequent tokens; 0 = the full vocabulary",
     "steps": "optimizer steps",
     "batch_size": "rows (positions) per step and head",
@@ -115,10 +119,13 @@ def load_config(argv) -> TrainConfig:
     if isinstance(cfg.source_layer, str):
         cfg.source_layer = None if cfg.source_layer.lower() in ("none", "null", "") else int(cfg.source_layer)
     for name in ("rank", "draft_vocab_size", "steps", "batch_size", "warmup", "eval_every", "checkpoint_every",
-                 "seed", "max_draft_tokens", "seq_batch", "round_len_max"):
+                 "seed", "max_draft_tokens", "seq_batch", "round_len_max", "unroll"):
         setattr(cfg, name, int(getattr(cfg, name)))
     for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction"):
         setattr(cfg, name, float(getattr(cfg, name)))
+    if cfg.unroll < 1 or (cfg.unroll > 1 and not (cfg.head == "mlp" and cfg.context == "top")):
+        raise SystemExit(f"--unroll {cfg.unroll}: must be >= 1, and above 1 only for --head mlp --context top "
+                         "(the head that reads its own estimate of the previous state).")
     return cfg
 
 
@@ -182,6 +189,33 @@ def distill_loss(head, hidden, final, top1, adapter, vocab_ids, vocab_index, ce_
     hidden, final: (N, H) layer-E and final-normed states; top1: (N,) teacher argmax over the full vocabulary;
     prev_top: (N, H) the previous positions' final states, for a top-reading head."""
     return distill_terms(head(hidden, adapter, prev_top), final, top1, adapter, vocab_ids, vocab_index, ce_weight)
+
+
+def unrolled_loss(head, rows, idx, key, adapter, vocab_ids, vocab_index, ce_weight, device, dtype, unroll):
+    """A top-reading MLP head's loss over `unroll` consecutive positions of one sequence from each start in `idx`
+    (N,): the first reads the true previous final state, each later one the head's own normed output at the
+    position before (as the loop's drafts 2.. do), gradients flowing through it; the mean over positions."""
+    from selfspec.heads import lm_logits
+
+    def column(name, j):
+        return rows[name][idx + j].to(device, dtype)
+    prev, loss = column("prev.final", 0), 0.0
+    for j in range(unroll):
+        normed = head.normed(column(key, j), adapter, prev)  # (N, H)
+        top1 = rows["teacher_top1"][idx + j].long().to(device)
+        loss = loss + distill_terms(lm_logits(adapter, normed, head.vocab_ids), column("hidden.final", j), top1,
+                                    adapter, vocab_ids, vocab_index, ce_weight)
+        prev = normed
+    return loss / unroll
+
+
+def unroll_starts(seq: torch.Tensor, unroll: int) -> torch.Tensor:
+    """Rows i whose next `unroll - 1` rows belong to the same sequence (rows of a sequence are contiguous)."""
+    n = len(seq) - (unroll - 1)
+    ok = torch.ones(max(n, 0), dtype=torch.bool)
+    for j in range(1, unroll):
+        ok &= seq[j : j + n] == seq[:n]
+    return ok.nonzero()[:, 0]
 
 
 def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
@@ -350,6 +384,7 @@ def main(argv=None) -> int:
         print(f"resumed at step {start}")
 
     g = torch.Generator().manual_seed(cfg.seed + start)
+    starts = unroll_starts(train_rows["seq"], cfg.unroll) if cfg.unroll > 1 else None
     history = []
     bar = tqdm(range(start, cfg.steps), desc="train-heads", initial=start, total=cfg.steps)
     t0 = time.time()
@@ -362,6 +397,10 @@ def main(argv=None) -> int:
             offset = int(torch.randint(0, round_len, (1,), generator=g))
             loss = sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset), adapter, vocab_ids,
                                      vocab_index, cfg.ce_weight) for h in heads.values())
+        elif cfg.unroll > 1:  # runs of consecutive rows, drafted as the loop drafts them
+            idx = starts[torch.randint(0, len(starts), (cfg.batch_size,), generator=g)]
+            loss = sum(unrolled_loss(h, train_rows, idx, f"hidden.{e}", adapter, vocab_ids, vocab_index,
+                                     cfg.ce_weight, cfg.device, dtype, cfg.unroll) for e, h in heads.items())
         else:  # independent rows
             idx = torch.randint(0, n, (cfg.batch_size,), generator=g)
             final = train_rows["hidden.final"][idx].to(cfg.device, dtype)
