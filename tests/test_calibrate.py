@@ -216,6 +216,26 @@ def test_tree_shapes_join_the_study(tmp_path):
         selfspec.SelfSpecConfig(**params).validate(num_layers=4)
 
 
+def test_per_drafter_follows_the_retimed_order():
+    """Each drafter's entry is its fastest setting; among the finalists re-timed side by side that order wins over
+    the single trial timings, so the config's own (re-timed best) setting is its drafter's entry."""
+    from selfspec.tools.calibrate.study import best_per_drafter
+
+    study = optuna.create_study(direction="maximize")
+    chain = {"drafter": "early_exit", "exit_layer": 2, "max_draft_tokens": 2, "draft_confidence_threshold": 0.1}
+    wide = {**chain, "max_draft_tokens": 1, "draft_tree_top_k": 4, "draft_tree_size": 10}
+    deep = {**chain, "max_draft_tokens": 3, "draft_tree_top_k": 4, "draft_tree_size": 4}
+    dist = optuna.distributions.CategoricalDistribution([0, 1, 2, 3, 4, 10, 0.1])
+    for params, value in ((chain, 30.0), (wide, 33.0), (deep, 34.0)):
+        study.add_trial(optuna.trial.create_trial(params=params, distributions={k: (
+            optuna.distributions.CategoricalDistribution([v]) if isinstance(v, str) else dist) for k, v in params.items()},
+            value=value, user_attrs={"measured": True}))
+    assert best_per_drafter(study)["early_exit-tree"]["max_draft_tokens"] == 3  # the trials alone: deep
+    confirmed = [{"params": wide}, {"params": deep}]  # re-timed: wide first
+    per = best_per_drafter(study, confirmed)
+    assert per["early_exit-tree"] == wide and per["early_exit"] == chain
+
+
 def test_resume_adds_trials_to_the_same_study(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     model = make_model("llama", 4)

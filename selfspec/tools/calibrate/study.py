@@ -209,16 +209,21 @@ def top_settings(study, count: int) -> list:
     return picked[:count]
 
 
-def best_per_drafter(study) -> dict[str, dict]:
-    """{drafter: params of its fastest measured trial}, so that each drafter can be run at its own best setting
-    (an n-gram drafter wants other K than an exit head; the bench reads this). Trees count as a drafter of their
-    own, "early_exit-tree", so that a chain's best is kept next to the best tree."""
+def best_per_drafter(study, confirmed: list[dict] = ()) -> dict[str, dict]:
+    """{drafter: params of its fastest setting}, so that each drafter can be run at its own best setting (an n-gram
+    drafter wants other K than an exit head; the bench reads this). Trees count as a drafter of their own,
+    "early_exit-tree", so that a chain's best is kept next to the best tree. A drafter among the `confirmed`
+    candidates (re-timed side by side, fastest first) takes its fastest there: the trials' single timings are
+    noisier, and the config's own setting must be its drafter's entry."""
     best: dict[str, tuple[float, dict]] = {}
     for t in _measured(study):
         drafter = tree_key(t.params)
         if drafter not in best or t.value > best[drafter][0]:
             best[drafter] = (t.value, effective_params(t.params))
-    return {d: params for d, (_, params) in sorted(best.items())}
+    retimed = {}
+    for c in confirmed:
+        retimed.setdefault(tree_key(c["params"]), effective_params(c["params"]))
+    return {d: retimed.get(d, params) for d, (_, params) in sorted(best.items())}
 
 
 def confirm(session: Session, candidates: list, rounds: int, log) -> tuple[list[dict], float]:
@@ -362,7 +367,7 @@ def _finish(model, study, session, base, storage, output, identity, log) -> Cali
                         "speedup": winner["speedup"], "study": study.study_name, "trial": winner["trial"],
                         "device": identity["device"], "dtype": identity["dtype"],
                         "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
-                        "per_drafter": best_per_drafter(study)}})
+                        "per_drafter": best_per_drafter(study, confirmed)}})
     study.set_user_attr("final", {"best": winner, "plain_tokens_per_s": plain_tps})
     report = build_report(study, session, confirmed, plain_tps, best)
     if output is not None:
