@@ -316,4 +316,13 @@ def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
             states = model(ref, output_hidden_states=True).hidden_states
         accepted += stats.accepted_tokens
         assert replay(head, adapter, states, ref[0, p:], p, 4, 30) == stats.verify_steps, seed
+        if not head.stateful:  # the ranked first drafts: best first, as a tree's root ranks its children
+            from selfspec.heads import teacher_forced_logits
+            from selfspec.training.eval_heads import first_drafts
+
+            ranked = first_drafts(head, adapter, states, p, 30, ranks=4)  # (30, 4)
+            logits = teacher_forced_logits(head, states, adapter, slice(p - 1, p + 29))
+            scores = logits.gather(-1, ranked if head.vocab_ids is None else
+                                   torch.searchsorted(head.vocab_ids, ranked))
+            assert (scores[:, :-1] >= scores[:, 1:]).all() and (ranked[:, 0] == logits.argmax(-1)).all()
     assert accepted > 0
