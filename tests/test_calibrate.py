@@ -171,13 +171,13 @@ def test_planted_optimum_is_found_first(tmp_path):
 def test_exactness_tells_a_difference_from_identity():
     """The calibrator's verdict on a trial's outputs: plain generate's own outputs are identical; a token planted
     where the plain model's choice is clear (float64) is a difference, not a near-tie."""
-    from selfspec.tools.calibrate.trials import _pad_id, exactness, time_generation
+    from selfspec.tools.calibrate.trials import exactness, pad_id_of, time_generation
     from selfspec.tools.verdict import PlainLogits
 
     model = make_model("llama", 4, agreeable=False)
     prompts = _prompts(2)
     plain = time_generation(model, prompts, 10, plain=True)
-    logits = PlainLogits(model, {"pad_token_id": _pad_id(model)})
+    logits = PlainLogits(model, {"pad_token_id": pad_id_of(model)})
     assert exactness(model, logits, prompts, plain.outputs, plain.outputs, 5) == {
         "identical": 2, "near-tie": 0, "differs": 0}
     planted = [o.clone() for o in plain.outputs]

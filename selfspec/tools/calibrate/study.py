@@ -20,7 +20,7 @@ from .report import REPORT_NAME, build_report, save_result
 from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, resolve_space, suggest,
                     trial_config, tree_key)
 from ..verdict import DIFFERS, NEAR_TIE, PlainLogits
-from .trials import Measurement, _pad_id, exactness, generate_once, time_generation, time_setting, verify_chunk
+from .trials import Measurement, exactness, generate_once, pad_id_of, time_generation, time_setting, verify_chunk
 
 
 def study_identity(model, name: str | None) -> dict:
@@ -127,7 +127,7 @@ class Session:
         trial.set_user_attr("seconds", m.seconds)
         trial.set_user_attr("speedup_vs_plain", m.tokens_per_s / self.plain.tokens_per_s)
         if self.plain_logits is None:
-            self.plain_logits = PlainLogits(self.model, {"pad_token_id": _pad_id(self.model)})
+            self.plain_logits = PlainLogits(self.model, {"pad_token_id": pad_id_of(self.model)})
         counts = exactness(self.model, self.plain_logits, self.prompts, m.outputs, self.plain.outputs, chunk)
         trial.set_user_attr("matches_plain", counts[NEAR_TIE] + counts[DIFFERS] == 0)
         trial.set_user_attr("near_ties", counts[NEAR_TIE])  # parts from plain where half precision rounds a tie

@@ -62,13 +62,13 @@ class Measurement:
 
 def generate_once(model, ids: torch.Tensor, new_tokens: int, plain: bool) -> torch.Tensor:
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                  pad_token_id=_pad_id(model))
+                  pad_token_id=pad_id_of(model))
     # the class's generate is Hugging Face's own; the instance attribute is the wrapped one
     generate = type(model).generate.__get__(model) if plain else model.generate
     return generate(ids, **kwargs)[0, ids.shape[1]:]
 
 
-def _pad_id(model) -> int:
+def pad_id_of(model) -> int:
     """The generation config's pad id, else its first EOS id (as Hugging Face's generate pads), else 0."""
     pad = model.generation_config.pad_token_id
     return int(pad) if pad is not None else next(iter(eos_ids_of(model)), 0)
