@@ -9,7 +9,9 @@ import argparse
 import json
 
 # the size part of a design name in the eval results -> assistant tokens in that ShareGPT snapshot
-TOKENS = {"250k": 250_000, "880k": 880_000, "2.2M": 2_208_755}
+TOKENS = {"250k": 250_000, "880k": 880_000, "2.2M": 2_208_755, "2.8M": 2_208_755 + 597_138}
+# designs whose eval results name them otherwise -> "sharegpt-<size>-<kind>" names
+ALIASES = {"mix-u2": "sharegpt-2.8M-top-onpolicy"}
 MT_BENCH_HEAD = ("mlp", 4, 64_000)  # the earlier head (design "mlp", exit 4), trained on MT-bench answers
 RESULTS = ("bench_results/heads-eval-sharegpt-e4/results.json",
            "bench_results/heads-eval-sharegpt-e4-full/results.json",
@@ -17,7 +19,8 @@ RESULTS = ("bench_results/heads-eval-sharegpt-e4/results.json",
            "bench_results/heads-eval-sharegpt-e2-e8/results.json",
            "bench_results/heads-eval-sharegpt-e15/results.json",
            "bench_results/heads-eval-sharegpt-top-e2/results.json",
-           "bench_results/heads-eval-sharegpt-top-e2-250k/results.json")
+           "bench_results/heads-eval-sharegpt-top-e2-250k/results.json",
+           "bench_results/heads-eval-sharegpt-top-e2-onpolicy-u2/results.json")
 
 
 def agreement_by_design(paths) -> dict[tuple[str, int], float]:
@@ -26,7 +29,7 @@ def agreement_by_design(paths) -> dict[tuple[str, int], float]:
     for path in paths:
         with open(path) as f:
             for row in json.load(f)["replay"]:
-                out[(row["design"], row["exit"])] = row["agreement"]
+                out[(ALIASES.get(row["design"], row["design"]), row["exit"])] = row["agreement"]
     return out
 
 
@@ -36,6 +39,8 @@ def curve_key(design: str, exit_layer: int) -> tuple[str, int] | None:
     if parts[0] != "sharegpt" or parts[1] not in TOKENS:
         return None
     kind = "MLP reading the previous final state" if "top" in parts[2:] else "MLP"
+    if "onpolicy" in parts[2:]:  # 597k of its tokens are the model's own answers, trained with --unroll 2
+        kind += " + own answers, unroll 2"
     return f"{kind}, E={exit_layer}", TOKENS[parts[1]]
 
 
