@@ -293,6 +293,11 @@ def test_onpolicy_and_the_trainer_loaders(setup):
     n = len(train["target_ids"]) + len(held["target_ids"])
     assert n == manifest["totals"]["n_response_tokens"] and m["exit_layers"] == EXIT_LAYERS
     assert set(train) >= {f"hidden.{e}" for e in EXIT_LAYERS} | {"hidden.final", "teacher_top1"}
+    # a top-reading head's input: the row before's final state, within the sequence (rows of one are contiguous)
+    top, _, _ = load_rows(str(cache), EXIT_LAYERS, 0.2, 0, prev_top=True)
+    assert torch.equal(top["hidden.final"], train["hidden.final"])
+    inside = top["seq"][1:] == top["seq"][:-1]
+    assert inside.any() and torch.equal(top["prev.final"][1:][inside], top["hidden.final"][:-1][inside])
     tr, he = load_sequences(str(cache), EXIT_LAYERS, 0.2, 0)
     assert len(tr) + len(he) == manifest["totals"]["n_seqs"]
     assert sum(int(s["loss"].sum()) for s in tr + he) == n

@@ -134,40 +134,75 @@ def load_config(argv) -> TrainConfig:
 def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int, prev_top: bool = False):
     """(train, held, manifest): rows whose target is an answer token, as dicts of (N, ...) tensors. With `prev_top`,
     "prev.final" holds each row's previous row's final state (zeros at a sequence's first row), a top-reading MLP
-    head's input."""
+    head's input. Two passes over the shards: the first reads only their small per-row keys to size the result,
+    the second copies one key of one shard at a time into it, so the peak stays near the result's own size (a
+    job ten times this project's fits a GPU machine's host memory)."""
+    from safetensors import safe_open
+
     manifest = json.load(open(os.path.join(data_dir, "manifest.json")))
     missing = [e for e in exit_layers if e not in manifest["exit_layers"]]
     if missing:
         raise ValueError(f"exit layers {missing} were not collected (have {manifest['exit_layers']}); "
                          "add them to collect.exit_layers and rerun train.collect.")
-    shards = sorted(f for f in os.listdir(data_dir) if f.endswith(".safetensors"))
+    shards = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".safetensors"))
     if not shards:
         raise FileNotFoundError(f"No shards in {data_dir!r}: run python -m train.collect first.")
+    plans = [shard_rows(path) for path in shards]  # (keep (R,) bool, seq of each kept row, sequence count)
+    seq_base = torch.cumsum(torch.tensor([0] + [n for _, _, n in plans]), 0)
+    held_seqs = held_out_sequences(int(seq_base[-1]), holdout_fraction, seed)
+    is_held = [torch.isin(seq + base, held_seqs) for (_, seq, _), base in zip(plans, seq_base.tolist())]
+    n_held = sum(int(h.sum()) for h in is_held)
+    n_train = sum(len(h) for h in is_held) - n_held
     keys = [f"hidden.{e}" for e in exit_layers] + ["hidden.final", "target_ids", "teacher_top1"]
-    parts = {k: [] for k in keys + ["seq"]}
-    seq_base = 0
-    for name in shards:
-        shard = load_file(os.path.join(data_dir, name))
-        offsets = shard["seq_offsets"]
-        seq_of_row = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
-        first_response_row = shard["seq_prompt_len"][seq_of_row] - 1  # the last prompt row predicts the answer
-        keep = shard["positions"] >= first_response_row
-        for k in keys:
-            parts[k].append(shard[k][keep])
-        if prev_top:
-            prev = torch.cat([torch.zeros_like(shard["hidden.final"][:1]), shard["hidden.final"][:-1]])
-            prev[offsets[:-1]] = 0  # a sequence's first row has none
-            parts.setdefault("prev.final", []).append(prev[keep])
-        parts["seq"].append(seq_of_row[keep] + seq_base)
-        seq_base += len(offsets) - 1
-    # key by key, each source freed once copied: the peak stays near one copy of the data plus one key
-    is_held = torch.isin(torch.cat(parts["seq"]), held_out_sequences(seq_base, holdout_fraction, seed))
     train, held = {}, {}
-    for k in list(parts):
-        column = torch.cat(parts.pop(k))
-        train[k], held[k] = column[~is_held], column[is_held]
-        del column
+    with safe_open(shards[0], "pt") as f:  # every shard holds the same keys, dtypes and widths
+        for k in keys:
+            t = f.get_slice(k)
+            shape, dtype = t.get_shape()[1:], getattr(torch, _TORCH_DTYPES[t.get_dtype()])
+            train[k], held[k] = torch.empty(n_train, *shape, dtype=dtype), torch.empty(n_held, *shape, dtype=dtype)
+    if prev_top:
+        train["prev.final"], held["prev.final"] = torch.empty_like(train["hidden.final"]), torch.empty_like(
+            held["hidden.final"])
+    train["seq"], held["seq"] = torch.empty(n_train, dtype=torch.long), torch.empty(n_held, dtype=torch.long)
+    at_train = at_held = 0
+    for path, (keep, seq, _), base, h in zip(shards, plans, seq_base.tolist(), is_held):
+        columns = {"seq": seq + base}
+        with safe_open(path, "pt") as f:
+            for k in keys:
+                column = f.get_tensor(k)
+                columns[k] = column[keep]
+                if prev_top and k == "hidden.final":
+                    columns["prev.final"] = previous_rows(column, f.get_tensor("seq_offsets"))[keep]
+                del column
+        for k, column in columns.items():
+            train[k][at_train : at_train + int((~h).sum())] = column[~h]
+            held[k][at_held : at_held + int(h.sum())] = column[h]
+        at_train, at_held = at_train + int((~h).sum()), at_held + int(h.sum())
     return train, held, manifest
+
+
+# safetensors' dtype names -> torch's
+_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I32": "int32",
+                 "I64": "int64", "U8": "uint8", "BOOL": "bool"}
+
+
+def shard_rows(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(keep, seq, n_seqs) of one shard from its small keys only: keep (R,) marks rows whose target is an answer
+    token (the last prompt row predicts the first one), seq the shard-local sequence of each kept row."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        offsets, prompt_len, positions = (f.get_tensor(k) for k in ("seq_offsets", "seq_prompt_len", "positions"))
+    seq_of_row = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
+    keep = positions >= prompt_len[seq_of_row] - 1
+    return keep, seq_of_row[keep], len(offsets) - 1
+
+
+def previous_rows(final: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(R, H) each row's previous row's state within its sequence, zeros at a sequence's first row."""
+    prev = torch.cat([torch.zeros_like(final[:1]), final[:-1]])
+    prev[offsets[:-1]] = 0
+    return prev
 
 
 def held_out_sequences(n_seqs: int, fraction: float, seed: int) -> torch.Tensor:
