@@ -157,9 +157,8 @@ def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, se
     train, held = {}, {}
     with safe_open(shards[0], "pt") as f:  # every shard holds the same keys, dtypes and widths
         for k in keys:
-            t = f.get_slice(k)
-            shape, dtype = t.get_shape()[1:], getattr(torch, _TORCH_DTYPES[t.get_dtype()])
-            train[k], held[k] = torch.empty(n_train, *shape, dtype=dtype), torch.empty(n_held, *shape, dtype=dtype)
+            row = f.get_slice(k)[:1]  # one row: its width and dtype, without reading the key
+            train[k], held[k] = row.new_empty(n_train, *row.shape[1:]), row.new_empty(n_held, *row.shape[1:])
     if prev_top:
         train["prev.final"], held["prev.final"] = torch.empty_like(train["hidden.final"]), torch.empty_like(
             held["hidden.final"])
@@ -174,16 +173,12 @@ def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, se
                 if prev_top and k == "hidden.final":
                     columns["prev.final"] = previous_rows(column, f.get_tensor("seq_offsets"))[keep]
                 del column
+        n_h = int(h.sum())
         for k, column in columns.items():
-            train[k][at_train : at_train + int((~h).sum())] = column[~h]
-            held[k][at_held : at_held + int(h.sum())] = column[h]
-        at_train, at_held = at_train + int((~h).sum()), at_held + int(h.sum())
+            train[k][at_train : at_train + len(h) - n_h] = column[~h]
+            held[k][at_held : at_held + n_h] = column[h]
+        at_train, at_held = at_train + len(h) - n_h, at_held + n_h
     return train, held, manifest
-
-
-# safetensors' dtype names -> torch's
-_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I32": "int32",
-                 "I64": "int64", "U8": "uint8", "BOOL": "bool"}
 
 
 def shard_rows(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
