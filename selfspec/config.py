@@ -32,6 +32,9 @@ class SelfSpecConfig:
     # tokens (else the early-exit head drafts), and with hybrid_extend the head continues a short n-gram draft.
     hybrid_min_match: int = 2
     hybrid_extend: bool = True
+    # ...and with hybrid_fallback a row whose match is shorter drafts that match's continuation when the head is
+    # not confident enough to draft (instead of drafting nothing).
+    hybrid_fallback: bool = False
     # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
     metadata: dict = field(default_factory=dict)
 
@@ -58,6 +61,8 @@ class SelfSpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 1:
             raise ValueError(f"hybrid_min_match must be an integer >= 1, got {self.hybrid_min_match!r}.")
+        if not isinstance(self.hybrid_fallback, bool):
+            raise ValueError(f"hybrid_fallback must be true or false, got {self.hybrid_fallback!r}.")
         # drafters that never run the early layers on their own (ngram, model, oracle, none) only use exit_layer
         # as the split of the verify pass, which any layer serves: the engine clamps it for them
         uses_exit = self.drafter in ("early_exit", "hybrid")

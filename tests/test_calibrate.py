@@ -281,6 +281,8 @@ def test_written_config_loads_and_generates_like_plain(tmp_path):
     ({"drafter": ["early_exit", "magic"]}, r"space.drafter must list"),
     ({"draft_tree_top_k": [0, 2]}, r"draft_tree_top_k must be >= 1"),
     ({"draft_tree_size": {"min": 1, "max": 4}}, r"draft_tree_size must be >= 2"),
+    ({"hybrid_extend": ["yes"]}, r"space.hybrid_extend must be true, false or a list of them"),
+    ({"hybrid_fallback": []}, r"space.hybrid_fallback must be true, false or a list of them"),
 ])
 def test_bad_space_fails_before_any_trial(tmp_path, space, message):
     model = make_model("llama", 6)

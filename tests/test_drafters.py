@@ -238,6 +238,22 @@ def test_hybrid_takes_every_path():
     assert all(steps.get(p, 0) > 0 for p in ("ngram", "early_exit", "mixed")), steps
 
 
+def test_hybrid_fallback_drafts_short_matches_the_head_declines():
+    """No match is long enough to trust (min_match above ngram_max) and the head is never sure enough (threshold
+    0.99): without fallback the hybrid drafts nothing; with it each row drafts its short match's continuation, some
+    of it accepted, and the padded batch's output stays identical."""
+    model = make_model("llama", LAYERS)
+    ids, mask = _repetitive_batch(seed=2)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    drafted = {}
+    for fallback in (False, True):
+        out, stats, _ = _speculative(model, ids, mask, "hybrid", exit_layer=2, max_draft_tokens=4, ngram_max=2,
+                                     hybrid_min_match=3, draft_confidence_threshold=0.99, hybrid_fallback=fallback)
+        assert torch.equal(out, ref), fallback
+        drafted[fallback] = (stats.drafted_tokens, stats.accepted_tokens)
+    assert drafted[False] == (0, 0) and drafted[True][1] > 0, drafted
+
+
 # --- errors ---------------------------------------------------------------------------------------------------
 
 def test_draft_model_vocabulary_mismatch_is_named():
@@ -292,6 +308,9 @@ def target_and_exact():
 SAMPLING_CASES = {
     "ngram": dict(drafter="ngram", exit_layer=1, max_draft_tokens=2),
     "hybrid": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, hybrid_min_match=2),
+    # every match is short (min_match above ngram_max): rows draft with the head when it is sure, else their match
+    "hybrid-fallback": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, ngram_max=2, hybrid_min_match=3,
+                            draft_confidence_threshold=0.5, hybrid_fallback=True),
     "model": dict(exit_layer=1, max_draft_tokens=2),  # drafter: a separate random model
     # a draft tree: two levels, up to three children per node, checked by multi-candidate rejection
     "tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3, draft_tree_size=6),

@@ -62,3 +62,9 @@ def test_flash_attention_rejected_with_fix():
 def test_unknown_config_field():
     with pytest.raises(TypeError, match="Unknown selfspec option.*exit_layr.*exit_layer"):
         selfspec.wrap(make_model("llama", 4), exit_layr=2)
+
+
+def test_hybrid_fallback_must_be_a_bool():
+    """A YAML or JSON "yes"/"no" string would otherwise read as true."""
+    with pytest.raises(ValueError, match="hybrid_fallback must be true or false, got 'no'"):
+        selfspec.wrap(make_model("llama", 4), exit_layer=1, drafter="hybrid", hybrid_fallback="no")

@@ -2,7 +2,10 @@
 
 Per step and row: a row whose last `min_match` or more tokens recur earlier in its text takes the n-gram
 continuation (a point-mass draft); every other row drafts with the early-exit head. With `extend`, a row whose
-n-gram continuation is shorter than k keeps drafting with the head after it.
+n-gram continuation is shorter than k keeps drafting with the head after it. With `fallback`, a row whose match is
+too short to be trusted first asks the head and, when the head is not confident at its first draft, drafts that
+shorter match's continuation instead of nothing (prompts that quote their context match often but briefly, and
+there a short match is right more often than an unsure head).
 
 Why the early-exit pass runs over the n-gram tokens too
 -------------------------------------------------------
@@ -45,11 +48,12 @@ class HybridDrafter(Drafter):
     uses_early_layers = True
     drafts_trees = True  # with trees: the head's tree and the n-gram branches together (see _tree)
 
-    def __init__(self, early: EarlyExitDrafter, ngram: NgramDrafter, min_match: int = 2, extend: bool = True):
+    def __init__(self, early: EarlyExitDrafter, ngram: NgramDrafter, min_match: int = 2, extend: bool = True,
+                 fallback: bool = False):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}.")
         self.early, self.ngram = early, ngram
-        self.min_match, self.extend = min_match, extend
+        self.min_match, self.extend, self.fallback = min_match, extend, fallback
         self.steps: Counter = Counter()  # steps per path: "ngram", "early_exit", "mixed" (some rows of each)
         self.needs_prompt_hidden = early.needs_prompt_hidden
 
@@ -74,7 +78,8 @@ class HybridDrafter(Drafter):
             self.steps["ngram"] += 1
             return _ngram_draft(state, found.tokens, forced_len)
         self.steps["mixed" if bool(strong.any()) else "early_exit"] += 1
-        return self._forced_early_exit(state, found.tokens.clone(), forced_len, extending)
+        weak_len = found.length.masked_fill(strong, 0) if self.fallback else torch.zeros_like(forced_len)
+        return self._forced_early_exit(state, found.tokens.clone(), forced_len, extending, weak_len)
 
     def _needs_head(self, state, tokens, forced_len, strong, k: int) -> torch.Tensor:
         """(B,) rows that draft with the head after their n-gram prefix (all of it, for rows without one)."""
@@ -85,12 +90,14 @@ class HybridDrafter(Drafter):
         ends_in_eos = (forced_len > 0) & state.is_eos(last)
         return live & (forced_len < k) & ~ends_in_eos
 
-    def _forced_early_exit(self, state, tokens, forced_len, extending) -> Draft:
+    def _forced_early_exit(self, state, tokens, forced_len, extending, weak_len) -> Draft:
         """Early-exit drafting in which each row's first forced_len tokens are given (tokens (B, k)).
 
         Input column c of the verify step is the pending token (c = 0) or draft token c - 1. Each round feeds the
         columns every extending row already knows, [fed, end), through layers [0, E); the rows whose first free
-        draft column is end - 1 then take the head's proposal there if it is confident enough."""
+        draft column is end - 1 then take the head's proposal there if it is confident enough. A row whose head
+        declines its first draft takes its weak_len (B,) n-gram tokens instead (0: none); `tokens` already holds
+        them, and no round has fed those columns yet, so whatever is fed later is the draft verified."""
         k = tokens.shape[1]
         state.write_drafts(tokens)  # the n-gram prefixes (later columns are overwritten as rows extend)
         draft_len = forced_len.clone()
@@ -111,6 +118,8 @@ class HybridDrafter(Drafter):
             if state.do_sample:
                 head_q.append((col, take, probs))
             draft_len += take.long()
+            if col == 0:  # rows without a forced prefix: an unsure head hands the row to its weak match
+                draft_len = torch.where(proposing & ~take, weak_len, draft_len)
             extending = extending & ~(proposing & ~take) & ~(take & state.is_eos(token)) & (draft_len < k)
         width = int(draft_len.max())
         q = _mixed_q(tokens[:, :width], head_q, state.vocab_size) if state.do_sample else None
@@ -156,4 +165,5 @@ def _mixed_q(tokens, head_q, vocab: int):
 def from_engine(engine) -> HybridDrafter:
     cfg = engine.config
     early = EarlyExitDrafter(engine.head_for(cfg.exit_layer), cfg.draft_confidence_threshold)
-    return HybridDrafter(early, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.hybrid_min_match, cfg.hybrid_extend)
+    return HybridDrafter(early, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.hybrid_min_match, cfg.hybrid_extend,
+                         cfg.hybrid_fallback)

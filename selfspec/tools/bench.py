@@ -575,7 +575,8 @@ def engine_settings(config: SelfSpecConfig) -> str:
     if config.drafter in ("ngram", "hybrid"):
         parts.append(f"n-gram {config.ngram_min}..{config.ngram_max}")
     if config.drafter == "hybrid":
-        parts.append(f"min match {config.hybrid_min_match}{', extend' if config.hybrid_extend else ''}")
+        parts.append(f"min match {config.hybrid_min_match}{', extend' if config.hybrid_extend else ''}"
+                     f"{', fallback' if config.hybrid_fallback else ''}")
     return ", ".join(parts) if config.drafter != "none" else "no drafts"
 
 

@@ -31,6 +31,7 @@ class SpaceSpec:
     ngram_max: object = field(default_factory=lambda: {"min": 2, "max": 5})
     hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
     hybrid_extend: object = field(default_factory=lambda: [True, False])
+    hybrid_fallback: object = field(default_factory=lambda: [True, False])
     # early_exit only: children per tree node (1 = chains; [1] alone searches no trees) and nodes per tree
     draft_tree_top_k: object = field(default_factory=lambda: [1])
     draft_tree_size: object = field(default_factory=lambda: {"min": 4, "max": 16, "step": 2})
@@ -124,6 +125,7 @@ class SearchSpace:
     ngram_max: list[int]
     hybrid_min_match: list[int] = field(default_factory=lambda: [2])
     hybrid_extend: list[bool] = field(default_factory=lambda: [True])
+    hybrid_fallback: list[bool] = field(default_factory=lambda: [False])
     tree_top_k: list[int] = field(default_factory=lambda: [1])
     tree_sizes: list[int] = field(default_factory=lambda: [8])
 
@@ -188,9 +190,7 @@ def _threshold_range(value, source: str) -> tuple[float, float, float]:
 def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], registered) -> SearchSpace:
     """Check the space against the model and the registered drafters; raise ValueError naming the fix."""
     s, src = spec.space, spec.source
-    extend = [s.hybrid_extend] if isinstance(s.hybrid_extend, bool) else list(s.hybrid_extend or [])
-    if not extend or not all(isinstance(v, bool) for v in extend):
-        raise ValueError(f"{src}: space.hybrid_extend must be true, false or a list of them, got {s.hybrid_extend!r}.")
+    extend, fallback = _bools(s.hybrid_extend, "hybrid_extend", src), _bools(s.hybrid_fallback, "hybrid_fallback", src)
     return SearchSpace(
         exit_layers=_resolve_exits(s.exit_layer, num_layers, head_layers, src),
         max_draft_tokens=_int_range(s.max_draft_tokens, "max_draft_tokens", src),  # K >= 1 drafts per step
@@ -198,9 +198,18 @@ def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], reg
         drafters=_resolve_drafters(s.drafter, registered, src),
         ngram_max=_int_range(s.ngram_max, "ngram_max", src),
         hybrid_min_match=_int_range(s.hybrid_min_match, "hybrid_min_match", src),
-        hybrid_extend=sorted(set(extend), reverse=True),
+        hybrid_extend=extend,
+        hybrid_fallback=fallback,
         tree_top_k=_int_range(s.draft_tree_top_k, "draft_tree_top_k", src),
         tree_sizes=_int_range(s.draft_tree_size, "draft_tree_size", src, minimum=2))
+
+
+def _bools(value, name: str, source: str) -> list[bool]:
+    """A yes/no knob of the space: true, false or a list of them, True first (as the study enqueues it)."""
+    values = [value] if isinstance(value, bool) else list(value or [])
+    if not values or not all(isinstance(v, bool) for v in values):
+        raise ValueError(f"{source}: space.{name} must be true, false or a list of them, got {value!r}.")
+    return sorted(set(values), reverse=True)
 
 
 def _resolve_exits(value, num_layers: int, head_layers: list[int], source: str) -> list[int]:
@@ -250,6 +259,7 @@ def suggest(trial, space: SearchSpace) -> dict:
     if params["drafter"] == "hybrid":
         params["hybrid_min_match"] = _suggest_from(trial, "hybrid_min_match", space.hybrid_min_match)
         params["hybrid_extend"] = trial.suggest_categorical("hybrid_extend", space.hybrid_extend)
+        params["hybrid_fallback"] = trial.suggest_categorical("hybrid_fallback", space.hybrid_fallback)
     return params
 
 
@@ -286,7 +296,8 @@ def describe(params: dict) -> str:
     parts = [params["drafter"]]
     for key, short in (("exit_layer", "E"), ("max_draft_tokens", "K"), ("draft_confidence_threshold", "thr"),
                        ("draft_tree_top_k", "top_k"), ("draft_tree_size", "size"), ("ngram_max", "n"),
-                       ("hybrid_min_match", "match"), ("hybrid_extend", "extend")):
+                       ("hybrid_min_match", "match"), ("hybrid_extend", "extend"),
+                       ("hybrid_fallback", "fallback")):
         if key in params:
             value = params[key]
             parts.append(f"{short}={value:.2f}" if isinstance(value, float) else f"{short}={value}")

@@ -170,6 +170,7 @@ def enqueue_predicted(study, predictor: Predictor | None, space: SearchSpace, to
         if drafter == "hybrid":
             params["hybrid_min_match"] = _nearest(space.hybrid_min_match, 2)
             params["hybrid_extend"] = space.hybrid_extend[0]
+            params["hybrid_fallback"] = space.hybrid_fallback[0]
         queued.append(params)
     seen = [t.params for t in study.get_trials(deepcopy=False)]
     fresh = [p for p in queued if p not in seen]
