@@ -106,6 +106,37 @@ def test_planted_mismatch_is_reported_loudly(model, capsys, tmp_path):
     assert json.loads(paths["json"].read_text())["mismatches"][0]["method"] == "perturbed"
 
 
+class PerturbedTree(bench.EngineMethod):
+    """selfspec-tree with one token changed, so that its output is judged."""
+
+    def run(self, h, batch, reference, max_new):
+        out = super().run(h, batch, reference, max_new)
+        out.rows[0][-1] = (out.rows[0][-1] + 1) % 96
+        return out
+
+
+def test_each_method_is_judged_against_its_own_verify_pass(model, monkeypatch):
+    """A near-tie is judged against the rounding of the pass shape that produced it: a tree's node count plus one,
+    prompt lookup's N + 1, a chain's K + 1."""
+    chunks = []
+
+    def spy(*args, chunk, **kwargs):
+        chunks.append(chunk)
+        return judge(*args, chunk=chunk, **kwargs)
+
+    judge = bench.judge
+    monkeypatch.setattr(bench, "judge", spy)
+    registry = {**bench.METHODS, "perturbed": Perturbed("hf-greedy, changed"),
+                "perturbed-tree": PerturbedTree("selfspec-tree, changed", "early_exit", tree=True)}
+    _run(model, registry, methods=("hf-greedy", "perturbed-tree"))
+    assert chunks and set(chunks) == {bench.DEFAULT_TREE["draft_tree_size"] + 1}, chunks
+    chunks.clear()
+    _run(model, registry, methods=("hf-greedy", "perturbed"))
+    assert set(chunks) == {SMALL["max_draft_tokens"] + 1}, chunks
+    h = bench.Harness(model, bench.BenchConfig(**SMALL), pad_id=0, eos_ids=[EOS])
+    assert bench.METHODS["hf-prompt-lookup"].verify_chunk(h) == h.cfg.prompt_lookup_tokens + 1
+
+
 class Terminating(bench.HFMethod):
     """hf-greedy that sends its own process SIGTERM (what `timeout` sends) when it reaches the prompt `at`."""
 

@@ -33,7 +33,7 @@ import torch
 from ..config import SelfSpecConfig
 from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, left_pad, load_prompts
 from .measure import eos_ids_of, loadavg, machine_info, timed, versions
-from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge
+from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge, verify_chunk
 
 BASELINE = "hf-greedy"
 ORACLE = "oracle"
@@ -148,13 +148,22 @@ class Method:
     def run(self, h: "Harness", batch: Batch, reference: list[list[int]] | None, max_new: int) -> Outcome:
         raise NotImplementedError
 
+    def verify_chunk(self, h: "Harness") -> int:
+        """Most tokens one of its verify passes runs: the pass shape its half-precision near-ties are judged
+        against (tools.verdict). Without a shape of its own, the base config's chain."""
+        return h.base_config.max_draft_tokens + 1
+
 
 class HFMethod(Method):
     """The unwrapped model's own `generate`, with extra kwargs (assisted generation) from the harness."""
 
-    def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None):
-        self.description, self.extra = description, extra
+    def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None,
+                 chunk: Callable[["Harness"], int] | None = None):
+        self.description, self.extra, self.chunk = description, extra, chunk
         self.hf_assisted = extra is not None
+
+    def verify_chunk(self, h):
+        return self.chunk(h) if self.chunk else super().verify_chunk(h)
 
     def run(self, h, batch, reference, max_new):
         counter = CandidateCounter()
@@ -175,6 +184,9 @@ class EngineMethod(Method):
                  tree: bool = False):
         self.description, self.drafter, self.trained, self.oracle = description, drafter, trained, oracle
         self.tree = tree  # draft trees (the calibrated tree shape, else DEFAULT_TREE)
+
+    def verify_chunk(self, h):
+        return verify_chunk(h.engine_config(self.drafter, self.trained, self.tree))
 
     def run(self, h, batch, reference, max_new):
         if self.oracle:
@@ -221,7 +233,8 @@ METHODS: dict[str, Method] = {
     "hf-early-exit": HFMethod("Hugging Face assistant_early_exit=E (E chosen on train-split prompts)",
                               lambda h: {"assistant_early_exit": h.hf_exit_layer}),
     "hf-prompt-lookup": HFMethod("Hugging Face prompt_lookup_num_tokens=N",
-                                 lambda h: {"prompt_lookup_num_tokens": h.cfg.prompt_lookup_tokens}),
+                                 lambda h: {"prompt_lookup_num_tokens": h.cfg.prompt_lookup_tokens},
+                                 chunk=lambda h: h.cfg.prompt_lookup_tokens + 1),
     "selfspec-untrained": EngineMethod("selfspec, norm + LM-head exit at E", "early_exit"),
     "selfspec": EngineMethod("selfspec with trained heads/config (--heads or shipped)", "early_exit", trained=True),
     "selfspec-ar": EngineMethod("selfspec loop with drafting off (engine overhead)", "none"),
@@ -320,12 +333,12 @@ class Harness:
         self.per_drafter = self.base_config.metadata.get("calibration", {}).get("per_drafter", {})
         self.oracle_k: int | None = None  # set by bound_oracle once the run's methods are known
 
-    def row_judge(self, batch: Batch, max_new: int) -> Callable:
-        """judge_row(b, got, want) -> Verdict for row b of this batch (its prompt without padding)."""
+    def row_judge(self, batch: Batch, max_new: int, chunk: int) -> Callable:
+        """judge_row(b, got, want) -> Verdict for row b of this batch (its prompt without padding), for a method
+        whose verify passes run up to `chunk` tokens."""
         def judge_row(b, got, want):
             prompt = batch.input_ids[b][batch.attention_mask[b].bool()].tolist()
-            return judge(self.model, self.plain_logits, prompt, got, want, max_new,
-                         chunk=self.base_config.max_draft_tokens + 1)
+            return judge(self.model, self.plain_logits, prompt, got, want, max_new, chunk=chunk)
         return judge_row
 
     def engine_config(self, drafter: str, trained: bool, tree: bool = False) -> SelfSpecConfig:
@@ -470,7 +483,8 @@ def run_batch(h: Harness, registry: dict, names: list[str], batch: Batch, max_ne
         outcome = registry[name].run(h, batch, reference, max_new)
         if name == BASELINE:
             reference = outcome.rows
-        record = make_record(name, batch, outcome, reference, h.cfg.sample, h.row_judge(batch, max_new))
+        judge_row = h.row_judge(batch, max_new, registry[name].verify_chunk(h))
+        record = make_record(name, batch, outcome, reference, h.cfg.sample, judge_row)
         records.append(record)
         if on_done is not None:
             on_done(record)

@@ -95,6 +95,13 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
     return None if len(got) == len(want) else min(len(got), len(want))
 
 
+def verify_chunk(config) -> int:
+    """Most tokens one verify pass of a SelfSpecConfig runs (the pending token plus a chain of K or a tree's
+    nodes): the pass shape whose rounding a half-precision near-tie is judged against."""
+    nodes = config.draft_tree_size if config.draft_tree_top_k > 1 else config.max_draft_tokens
+    return max(nodes, config.max_draft_tokens) + 1
+
+
 def judge(model, plain: PlainLogits, prompt: list[int], got: list[int], want: list[int], max_new: int,
           chunk: int = 8) -> Verdict | None:
     """Verdict for `got` against plain greedy's `want` after `prompt`; None when they are identical."""

@@ -19,8 +19,8 @@ from .predictor import MODELLED_DRAFTERS, Predictor, build_predictor
 from .report import REPORT_NAME, build_report, save_result
 from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, resolve_space, suggest,
                     trial_config, tree_key)
-from ..verdict import DIFFERS, NEAR_TIE, PlainLogits
-from .trials import Measurement, exactness, generate_once, pad_id_of, time_generation, time_setting, verify_chunk
+from ..verdict import DIFFERS, NEAR_TIE, PlainLogits, verify_chunk
+from .trials import Measurement, exactness, generate_once, pad_id_of, time_generation, time_setting
 
 
 def study_identity(model, name: str | None) -> dict:

@@ -107,13 +107,6 @@ def time_setting(model, config: SelfSpecConfig, prompts, measure: MeasureSpec) -
 
 
 # --- exactness -------------------------------------------------------------------------------------------------
-def verify_chunk(config: SelfSpecConfig) -> int:
-    """Most tokens one verify pass of `config` runs (the pending token plus a chain of K or a tree's nodes): the
-    pass shape whose rounding a half-precision near-tie is judged against."""
-    nodes = config.draft_tree_size if config.draft_tree_top_k > 1 else config.max_draft_tokens
-    return max(nodes, config.max_draft_tokens) + 1
-
-
 def exactness(model, plain: PlainLogits, prompts: list[torch.Tensor], outputs: list[torch.Tensor],
               want: list[torch.Tensor], chunk: int) -> dict:
     """Counts of prompts whose greedy output is identical to plain generate's (`want`), parts from it at a
