@@ -97,7 +97,7 @@ def test_drafts_stay_in_draft_vocabulary(monkeypatch, kind):
 
 def test_training_lowers_the_loss():
     """A few distillation steps on a tiny model's own hidden states lower the KL to its output."""
-    from selfspec.training.train_heads import distill_loss
+    from selfspec.training.train_heads import unrolled_loss
 
     model = make_model("llama", 4, agreeable=False)
     with torch.no_grad():
@@ -108,13 +108,14 @@ def test_training_lowers_the_loss():
         out = model(torch.randint(3, VOCAB, (8, 24)), output_hidden_states=True)
     hidden = out.hidden_states[2].reshape(-1, 32)
     final = model.model.norm(out.hidden_states[-1]).reshape(-1, 32)
-    top1 = out.logits.argmax(-1).reshape(-1)
+    rows = {"hidden.2": hidden, "hidden.final": final, "teacher_top1": out.logits.argmax(-1).reshape(-1)}
     head = MLPHead(2, 32, 64).double()
     index = torch.arange(VOCAB)
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(60):
-        loss = distill_loss(head, hidden, final, top1, adapter, None, index, 0.3)
+        loss = unrolled_loss(head, rows, torch.arange(len(hidden)), "hidden.2", adapter, None, index, 0.3, "cpu",
+                             torch.float64)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -214,22 +214,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def distill_loss(head, hidden, final, top1, adapter, vocab_ids, vocab_index, ce_weight, prev_top=None):
-    """KL(teacher || head) over the draft vocabulary plus CE on the teacher's top-1 where it is in it.
-    hidden, final: (N, H) layer-E and final-normed states; top1: (N,) teacher argmax over the full vocabulary;
-    prev_top: (N, H) the previous positions' final states, for a top-reading head."""
-    return distill_terms(head(hidden, adapter, prev_top), final, top1, adapter, vocab_ids, vocab_index, ce_weight)
-
-
-def unrolled_loss(head, rows, idx, key, adapter, vocab_ids, vocab_index, ce_weight, device, dtype, unroll):
-    """A top-reading MLP head's loss over `unroll` consecutive positions of one sequence from each start in `idx`
-    (N,): the first reads the true previous final state, each later one the head's own normed output at the
-    position before (as the loop's drafts 2.. do), gradients flowing through it; the mean over positions."""
+def unrolled_loss(head, rows, idx, key, adapter, vocab_ids, vocab_index, ce_weight, device, dtype, unroll=1):
+    """A head's distillation loss on the rows `idx` (N,) of `rows` (layer-E states under `key`), each row the
+    start of a run of `unroll` consecutive positions of one sequence (1: the rows alone). A top-reading head's
+    first position reads the true previous final state, each later one the head's own normed output at the
+    position before (as the loop's drafts 2.. do), gradients flowing through it. The mean over positions of
+    distill_terms."""
     from selfspec.heads import lm_logits
 
     def column(name, j):
         return rows[name][idx + j].to(device, dtype)
-    prev, loss = column("prev.final", 0), 0.0
+    prev, loss = column("prev.final", 0) if head.reads_top else None, 0.0
     for j in range(unroll):
         normed = head.normed(column(key, j), adapter, prev)  # (N, H)
         top1 = rows["teacher_top1"][idx + j].long().to(device)
@@ -414,7 +409,7 @@ def main(argv=None) -> int:
         print(f"resumed at step {start}")
 
     g = torch.Generator().manual_seed(cfg.seed + start)
-    starts = unroll_starts(train_rows["seq"], cfg.unroll) if cfg.unroll > 1 else None
+    starts = unroll_starts(train_rows["seq"], cfg.unroll)  # every row when unroll is 1
     history = []
     bar = tqdm(range(start, cfg.steps), desc="train-heads", initial=start, total=cfg.steps)
     t0 = time.time()
@@ -427,17 +422,10 @@ def main(argv=None) -> int:
             offset = int(torch.randint(0, round_len, (1,), generator=g))
             loss = sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset), adapter, vocab_ids,
                                      vocab_index, cfg.ce_weight) for h in heads.values())
-        elif cfg.unroll > 1:  # runs of consecutive rows, drafted as the loop drafts them
+        else:  # rows, or runs of consecutive rows (--unroll) drafted as the loop drafts them
             idx = starts[torch.randint(0, len(starts), (cfg.batch_size,), generator=g)]
             loss = sum(unrolled_loss(h, train_rows, idx, f"hidden.{e}", adapter, vocab_ids, vocab_index,
                                      cfg.ce_weight, cfg.device, dtype, cfg.unroll) for e, h in heads.items())
-        else:  # independent rows
-            idx = torch.randint(0, n, (cfg.batch_size,), generator=g)
-            final = train_rows["hidden.final"][idx].to(cfg.device, dtype)
-            top1 = train_rows["teacher_top1"][idx].long().to(cfg.device)
-            prev = train_rows["prev.final"][idx].to(cfg.device, dtype) if mlp_top else None
-            loss = sum(distill_loss(h, train_rows[f"hidden.{e}"][idx].to(cfg.device, dtype), final, top1, adapter,
-                                    vocab_ids, vocab_index, cfg.ce_weight, prev) for e, h in heads.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
