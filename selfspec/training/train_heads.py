@@ -274,12 +274,14 @@ def load_sequences(data_dir: str, exit_layers: list[int], holdout_fraction: floa
     keys = [f"hidden.{e}" for e in exit_layers] + ["hidden.final", "teacher_top1"]
     seqs = []
     for name in sorted(f for f in os.listdir(data_dir) if f.endswith(".safetensors")):
-        shard = load_file(os.path.join(data_dir, name))
+        path = os.path.join(data_dir, name)
+        answer_rows, _, _ = shard_rows(path)  # the rows load_rows keeps: those predicting an answer token
+        shard = load_file(path)
         offsets = shard["seq_offsets"].tolist()
         for i in range(len(offsets) - 1):
             rows = slice(offsets[i], offsets[i + 1])
             seq = {k: shard[k][rows] for k in keys}
-            seq["loss"] = shard["positions"][rows] >= shard["seq_prompt_len"][i] - 1  # rows predicting the answer
+            seq["loss"] = answer_rows[rows]
             seqs.append(seq)
     held = set(held_out_sequences(len(seqs), holdout_fraction, seed).tolist())
     return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
