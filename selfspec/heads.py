@@ -23,6 +23,7 @@ class ExitHead(nn.Module):
     kind = "norm"
     stateful = False  # True for heads with a KV cache of their own (the attention adapter)
     reads_top = False  # True for heads that also read the previous position's final-normed state (`prev_top`)
+    copy_max = 0  # > 0 for heads that also score prompt lookup's candidate (its n-gram up to this long)
 
     def __init__(self, exit_layer: int, vocab_ids: torch.Tensor | None = None):
         super().__init__()
@@ -88,15 +89,27 @@ class MLPHead(ExitHead):
     (`normed`) for later ones. That state holds what the whole model knew one token ago, which layer E alone
     does not; it enters the residual through `top_in` (zero at first, so an untrained top head is the plain exit
     too) and the MLP's hidden layer through `top_up`.
+
+    With `copy_max` > 0 it is also a copy head: what an MLP over one position cannot do is look a token up in the
+    prompt, which is where most of the eval split's missed tokens come from. The drafter hands it, per draft, the
+    token that followed the most recent earlier occurrence of the text's last n tokens (prompt lookup's candidate,
+    n <= copy_max, the longest that occurs) and n; `rescore_copy` gives that token its own LM-head logit plus a
+    learned trust `copy_bias[n] + copy_gate(normed state)`. Both start at zero and are fitted by train.train_copy.
+    The draft is still a distribution the head chose, so verification stays exact.
     """
 
     kind = "mlp"
 
     def __init__(self, exit_layer: int, hidden_size: int, rank: int | None = None,
-                 vocab_ids: torch.Tensor | None = None, eps: float = 1e-6, context: str = "early"):
+                 vocab_ids: torch.Tensor | None = None, eps: float = 1e-6, context: str = "early",
+                 copy_max: int = 0):
         super().__init__(exit_layer, vocab_ids)
         if context not in CONTEXTS:
             raise ValueError(f"MLP head context must be one of {CONTEXTS}, got {context!r}.")
+        if not isinstance(copy_max, int) or isinstance(copy_max, bool) or not 0 <= copy_max <= 16:
+            raise ValueError(f"MLP head copy_max must be an integer in [0, 16] (0: no copy candidate), got "
+                             f"{copy_max!r}.")
+        self.copy_max = copy_max
         self.hidden_size, self.rank, self.context = hidden_size, rank or 2 * hidden_size, context
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.up = nn.Linear(hidden_size, self.rank, bias=False)
@@ -107,6 +120,10 @@ class MLPHead(ExitHead):
             self.top_in = nn.Linear(hidden_size, hidden_size, bias=False)
             self.top_up = nn.Linear(hidden_size, self.rank, bias=False)
             nn.init.zeros_(self.top_in.weight)
+        if copy_max:
+            self.copy_bias = nn.Parameter(torch.zeros(copy_max + 1))  # trust in an n-token match, index n
+            self.copy_gate = nn.Linear(hidden_size, 1, bias=False)  # and how the state moves it
+            nn.init.zeros_(self.copy_gate.weight)
 
     @property
     def reads_top(self) -> bool:
@@ -124,14 +141,36 @@ class MLPHead(ExitHead):
         return out + self.down(nn.functional.silu(pre)).to(hidden.dtype)
 
     def spec(self) -> dict:
-        return {**super().spec(), "hidden_size": self.hidden_size, "rank": self.rank, "context": self.context}
+        return {**super().spec(), "hidden_size": self.hidden_size, "rank": self.rank, "context": self.context,
+                **({"copy_max": self.copy_max} if self.copy_max else {})}
 
     @classmethod
     def from_spec(cls, spec: dict, adapter: ArchAdapter) -> "MLPHead":
         if spec["hidden_size"] != adapter.hidden_size:
             raise ValueError(f"MLP head for hidden size {spec['hidden_size']}, model has {adapter.hidden_size}.")
         return cls(spec["exit_layer"], spec["hidden_size"], spec["rank"], _vocab_placeholder(spec),
-                   context=spec.get("context", "early"))
+                   context=spec.get("context", "early"), copy_max=spec.get("copy_max", 0))
+
+    def copy_score(self, own: torch.Tensor, normed: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+        """The copy candidate's draft logit (...,): its own LM-head logit `own` (...,) plus the trust in a `match`
+        (...,)-token suffix match, moved by the head's normed state (..., H) there."""
+        gate = self.copy_gate(normed.to(self.copy_gate.weight.dtype))[..., 0]
+        return own.float() + self.copy_bias[match.clamp(0, self.copy_max)].float() + gate.float()
+
+    def rescore_copy(self, logits: torch.Tensor, normed: torch.Tensor, adapter: ArchAdapter, token: torch.Tensor,
+                     match: torch.Tensor) -> torch.Tensor:
+        """(B, T, V) full-vocabulary draft logits (-inf outside the draft vocabulary) -> the same with each
+        position's copy candidate `token` (B, T) scored by `copy_score`; positions with match 0 have none."""
+        has = match > 0
+        if not self.copy_max or not bool(has.any()):
+            return logits
+        ids = torch.unique(token[has])  # (U,) sorted: the candidates' LM-head rows, scored once each
+        col = torch.searchsorted(ids, token.clamp(min=0)).clamp(max=ids.numel() - 1)
+        own = lm_logits(adapter, normed, ids).gather(-1, col[..., None])[..., 0]  # (B, T)
+        score = self.copy_score(own, normed, match)
+        where = token.clamp(min=0)[..., None]
+        kept = logits.gather(-1, where)[..., 0]
+        return logits.scatter(-1, where, torch.where(has, score.to(logits.dtype), kept)[..., None])
 
 
 @register_head
@@ -245,6 +284,28 @@ def teacher_forced_logits(head: ExitHead, states, adapter: ArchAdapter, rows: sl
         return head.teacher_forced(states[head.exit_layer], states[-1], adapter)[0, rows]
     prev = previous_top(states[-1])[:, rows] if head.reads_top else None
     return head(states[head.exit_layer][:, rows], adapter, prev)[0]
+
+
+def full_vocab_logits(sub: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """(..., V_draft) head logits -> (..., V), -inf outside the head's draft vocabulary."""
+    if vocab_ids is None:
+        return sub
+    full = sub.new_full((*sub.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(sub.dim() - 1, vocab_ids.to(sub.device), sub)
+
+
+def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, text: torch.Tensor,
+                               rows: slice) -> torch.Tensor:
+    """(N, V) full-vocabulary draft logits of a copy head at `rows` of one text (1, T) from HF's hidden states of
+    it, each row a step's first draft: the candidates looked up in the text up to the row, as the drafter does."""
+    from .drafters.ngram import prefix_copy_candidates
+
+    prev = previous_top(states[-1])[:, rows] if head.reads_top else None
+    normed = head.normed(states[head.exit_layer][:, rows], adapter, prev)  # (1, N, H)
+    full = full_vocab_logits(lm_logits(adapter, normed, head.vocab_ids).float(), head.vocab_ids, adapter.vocab_size)
+    token, match = prefix_copy_candidates(text[0, : rows.stop].tolist(), head.copy_max)
+    token, match = torch.tensor(token)[rows].to(full.device), torch.tensor(match)[rows].to(full.device)
+    return head.rescore_copy(full, normed, adapter, token[None], match[None])[0]
 
 
 def previous_top(top: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from conftest import VOCAB, make_model, padded_batch, prompt
 GEN = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
 
 
-KINDS = ["norm", "mlp", "mlp-top", "attn", "attn-top"]
+KINDS = ["norm", "mlp", "mlp-top", "mlp-copy", "mlp-top-copy", "attn", "attn-top"]
 
 
 def _heads(vocab_ids=None, seed=0, model=None):
@@ -24,6 +24,13 @@ def _heads(vocab_ids=None, seed=0, model=None):
     for w in (top.down.weight, top.top_in.weight):  # both non-zero: drafts that depend on the previous state
         torch.nn.init.normal_(w, std=0.2)
     heads = {"norm": ExitHead(2, vocab_ids), "mlp": mlp, "mlp-top": top}
+    for name, context in (("mlp-copy", "early"), ("mlp-top-copy", "top")):  # trust in the candidate, not zero
+        copy_head = MLPHead(2, 32, 48, vocab_ids, context=context, copy_max=3).double()
+        copy_head.load_state_dict(heads[name[:-5]].state_dict(), strict=False)
+        with torch.no_grad():
+            copy_head.copy_bias.copy_(torch.tensor([0.0, 1.0, 3.0, 6.0]))
+            torch.nn.init.normal_(copy_head.copy_gate.weight, std=0.2)
+        heads[name] = copy_head
     if model is not None:  # attention heads copy one of the model's layers (layer 2, the one they replace)
         adapter = selfspec.arch.adapter_for(model)
         for name, context in (("attn", "early"), ("attn-top", "top")):
@@ -297,7 +304,7 @@ def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
     adapter = selfspec.arch.adapter_for(model)
     head = _heads(model=model)[kind]
     with torch.no_grad():  # milder heads than the other tests': this one needs accepted drafts
-        for p in (head.down.parameters() if kind == "mlp" else []):
+        for p in (head.down.parameters() if kind in ("mlp", "mlp-copy") else []):
             p.mul_(0.1)
         if kind.startswith("attn"):
             head.layer.load_state_dict(model.model.layers[2].state_dict())
@@ -316,14 +323,18 @@ def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
         with torch.no_grad():
             states = model(ref, output_hidden_states=True).hidden_states
         accepted += stats.accepted_tokens
-        assert replay(head, adapter, states, ref[0, p:], p, 4, 30) == stats.verify_steps, seed
+        assert replay(head, adapter, states, ref[0, p:], p, 4, 30, text=ref) == stats.verify_steps, seed
         if not head.stateful:  # the ranked first drafts: best first, as a tree's root ranks its children
-            from selfspec.heads import teacher_forced_logits
+            from selfspec.heads import teacher_forced_copy_logits, teacher_forced_logits
             from selfspec.training.eval_heads import first_drafts
 
-            ranked = first_drafts(head, adapter, states, p, 30, ranks=4)  # (30, 4)
-            logits = teacher_forced_logits(head, states, adapter, slice(p - 1, p + 29))
-            scores = logits.gather(-1, ranked if head.vocab_ids is None else
-                                   torch.searchsorted(head.vocab_ids, ranked))
+            ranked = first_drafts(head, adapter, states, p, 30, ranks=4, text=ref)  # (30, 4)
+            if head.copy_max:  # full-vocabulary logits: column = token id
+                logits = teacher_forced_copy_logits(head, states, adapter, ref, slice(p - 1, p + 29))
+                scores = logits.gather(-1, ranked)
+            else:
+                logits = teacher_forced_logits(head, states, adapter, slice(p - 1, p + 29))
+                scores = logits.gather(-1, ranked if head.vocab_ids is None else
+                                       torch.searchsorted(head.vocab_ids, ranked))
             assert (scores[:, :-1] >= scores[:, 1:]).all() and (ranked[:, 0] == logits.argmax(-1)).all()
     assert accepted > 0

@@ -7,8 +7,9 @@ import torch
 
 from ..cache import SpecCache
 from ..forward import forward_early, run_module
-from ..heads import ExitHead, lm_logits
+from ..heads import ExitHead, full_vocab_logits, lm_logits
 from .base import Draft, Drafter, choose_draft
+from .ngram import _PAD, NgramDrafter, copy_candidates
 from .tree import grow_tree
 
 
@@ -25,37 +26,49 @@ class EarlyExitDrafter(Drafter):
         # a head with a KV cache of its own takes the prompt in first; a top-reading head its last final state
         self.needs_prompt_hidden = head.stateful or head.reads_top
         self.tops = TopStates() if head.reads_top else None
+        self.copies = CopyPaths(head.copy_max) if head.copy_max else None
 
     def begin(self, state) -> None:
         self.head_cache = HeadCache(self.head, state) if self.head.stateful else None
         if self.tops is not None:
             self.tops.begin(state)
+        if self.copies is not None:
+            self.copies.begin(state)
 
     def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
         if self.head_cache is not None:
             self.head_cache.catch_up(state)
         if self.tops is not None:
             self.tops.accepted(state, n)
+        if self.copies is not None:
+            self.copies.start()
 
     def head_logits(self, state, hidden: torch.Tensor, positions: torch.Tensor | None = None,
-                    every: bool = False, parents: torch.Tensor | None = None) -> torch.Tensor:
+                    every: bool = False, parents: torch.Tensor | None = None,
+                    inputs: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, H) layer-E states of the inputs just run through layers [0, E), at (B, T) positions -> (B, V)
         draft logits for the token after the last one (with `every`: (B, T, V), after each), over the full
         vocabulary (-inf outside the head's). A stateful head takes all T inputs into its cache; a top-reading
-        head reads each input's parent's state (`parents`, see TopStates.normed)."""
+        head reads each input's parent's state (`parents`, see TopStates.normed); a copy head the prompt-lookup
+        candidate after each input (the (B, T) `inputs` tokens; without them it drafts as if none matched)."""
         if self.head_cache is not None:
             out = self.head_cache.feed(state, hidden, positions)
-            sub = self.head.logits(out if every else out[:, -1:], state.adapter)
-        elif self.tops is not None:
+            full = self._full_vocab(state, self.head.logits(out if every else out[:, -1:], state.adapter).float())
+            return full if every else full[:, -1]
+        if self.tops is not None:
             normed = self.tops.normed(self.head, state.adapter, hidden, parents)
-            sub = lm_logits(state.adapter, normed if every else normed[:, -1:], self.head.vocab_ids)
+            normed = normed if every else normed[:, -1:]
         else:
-            sub = self.head(hidden if every else hidden[:, -1:], state.adapter)
-        sub = sub.float() if every else sub[:, -1].float()
-        if self.head.vocab_ids is None:
-            return sub
-        full = sub.new_full((*sub.shape[:-1], state.vocab_size), float("-inf"))
-        return full.index_copy_(sub.dim() - 1, self.head.vocab_ids.to(sub.device), sub)
+            normed = self.head.normed(hidden if every else hidden[:, -1:], state.adapter)
+        full = self._full_vocab(state, lm_logits(state.adapter, normed, self.head.vocab_ids).float())  # (B, T', V)
+        if self.copies is not None and inputs is not None:
+            token, match = self.copies.candidates(state, inputs, parents)  # (B, T): every input joins the paths
+            token, match = (token, match) if every else (token[:, -1:], match[:, -1:])
+            full = self.head.rescore_copy(full, normed, state.adapter, token, match)
+        return full if every else full[:, -1]
+
+    def _full_vocab(self, state, sub: torch.Tensor) -> torch.Tensor:
+        return full_vocab_logits(sub, self.head.vocab_ids, state.vocab_size)
 
     def run(self, state, inputs: torch.Tensor, positions: torch.Tensor, every: bool = False,
             parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +78,7 @@ class EarlyExitDrafter(Drafter):
         (B, T) are their parents' verify-input indices in a tree (None: each follows the one before). The hybrid
         drafter runs its head drafts through this too."""
         hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
-        return hidden, self.head_logits(state, hidden, positions, every, parents)
+        return hidden, self.head_logits(state, hidden, positions, every, parents, inputs)
 
     def run_level(self, state):
         """The tree grower's level runner: inputs, positions, their parents' verify-input indices (None for the
@@ -144,6 +157,70 @@ class TopStates:
             self.step.append(head.normed(hidden[:, t : t + 1], adapter, prev))
             outs.append(self.step[-1])
         return torch.cat(outs, dim=1)
+
+
+class CopyPaths:
+    """What a copy head reads during one generate call: for each verify input of the step, the text that ends with
+    it (the row's verified text, whose last token is the pending one, then the drafts on the input's path: a
+    chain's earlier drafts or a tree node's ancestors) looked up as prompt lookup does (`copy_candidates`)."""
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.lookup = NgramDrafter(n_max, 1)  # for its text_of: each row's tokens, prompt padding never matching
+        self.tokens = self.parent = None  # (B, inputs so far): this step's verify inputs and their parents' indices
+
+    def begin(self, state) -> None:
+        self.lookup.begin(state)
+        self.start()
+
+    def start(self) -> None:
+        """A new step: its first input is the pending token (index 0), the last token of the verified text."""
+        self.tokens = self.parent = None
+
+    def candidates(self, state, inputs: torch.Tensor, parents: torch.Tensor | None):
+        """(B, T) the step's next verify inputs (parents: their parents' input indices, None: each follows the one
+        before) -> (token (B, T), match (B, T)): each input's copy candidate and its match length (0: none)."""
+        b, t = inputs.shape
+        n = 0 if self.tokens is None else self.tokens.shape[1]
+        index = torch.arange(n, n + t, device=inputs.device)[None, :].expand(b, t)
+        if parents is None:
+            parents = index - 1  # the pending token's "parent" (-1) is the verified text itself
+        self.tokens = inputs if self.tokens is None else torch.cat([self.tokens, inputs], dim=1)
+        self.parent = parents if self.parent is None else torch.cat([self.parent, parents], dim=1)
+        text, last = self.lookup.text_of(state)  # (B, L), (B,): last is the pending token
+        path, depth = self._paths(index)  # (B, T, D) drafts after the pending token, oldest first; (B, T)
+        rows = _texts_with_paths(text, last, path, depth)  # (B * T, L + D)
+        token, match = copy_candidates(rows, (last[:, None] + depth).flatten(), self.n_max)
+        return token.view(b, t), match.view(b, t)
+
+    def _paths(self, index: torch.Tensor):
+        """(B, T) input indices -> ((B, T, D) the drafted tokens on each one's path, oldest first, and (B, T) its
+        length D_i <= D): walking up parents until the pending token."""
+        newest_first, cur = [], index
+        while bool((cur > 0).any()):
+            live = cur > 0
+            newest_first.append(torch.where(live, self.tokens.gather(1, cur), -1))
+            cur = torch.where(live, self.parent.gather(1, cur), 0)
+        b, t = index.shape
+        if not newest_first:
+            return index.new_zeros(b, t, 0), index.new_zeros(b, t)
+        steps = torch.stack(newest_first, dim=-1)  # (B, T, D)
+        depth = (steps >= 0).sum(-1)
+        col = torch.arange(steps.shape[-1], device=index.device)
+        oldest_first = steps.gather(-1, (depth[..., None] - 1 - col).clamp(min=0))
+        return oldest_first, depth
+
+
+def _texts_with_paths(text: torch.Tensor, last: torch.Tensor, path: torch.Tensor, depth: torch.Tensor):
+    """(B, L) texts ending at `last` (B,), (B, T, D) paths of which the first depth (B, T) tokens count -> (B * T,
+    L + D) texts, row (b, t) continuing text b with its path right after `last`."""
+    b, length = text.shape
+    t, d = path.shape[1], path.shape[2]
+    rows = torch.nn.functional.pad(text, (0, d + 1), value=_PAD)[:, None].expand(b, t, length + d + 1).clone()
+    col = last[:, None, None] + 1 + torch.arange(d, device=text.device)  # (B, 1, D)
+    col = torch.where(torch.arange(d, device=text.device) < depth[..., None], col, length + d)  # spill: last column
+    rows.scatter_(2, col, path)
+    return rows[..., : length + d].reshape(b * t, length + d)
 
 
 class HeadCache:

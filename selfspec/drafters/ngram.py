@@ -80,6 +80,33 @@ def continuation(text: torch.Tensor, last: torch.Tensor, match: torch.Tensor, en
     return text.gather(1, where), length
 
 
+def copy_candidates(text: torch.Tensor, last: torch.Tensor, n_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy head's input: the token after the most recent earlier occurrence of each row's longest suffix of
+    n <= n_max tokens, and n. text (R, L), last (R,) -> (token (R,), match (R,)), match 0 where none."""
+    match, end = suffix_match(text, last, n_max, 1)
+    token, length = continuation(text, last, match, end, 1)
+    return token[:, 0], match.masked_fill(length == 0, 0)
+
+
+def prefix_copy_candidates(tokens: list[int], n_max: int) -> tuple[list[int], list[int]]:
+    """copy_candidates for every prefix tokens[:t + 1] of one text at once, for training and replay: one pass,
+    a dict per n of where each n-gram last ended. -> (token, match) lists of len(tokens); token -1 where none."""
+    last_end: list[dict] = [dict() for _ in range(n_max + 1)]
+    out_tok, out_match = [], []
+    for t in range(len(tokens)):
+        tok, match = -1, 0
+        for n in range(min(n_max, t + 1), 0, -1):
+            end = last_end[n].get(tuple(tokens[t - n + 1 : t + 1]))
+            if end is not None:
+                tok, match = tokens[end + 1], n
+                break
+        out_tok.append(tok)
+        out_match.append(match)
+        for n in range(1, min(n_max, t + 1) + 1):  # the n-grams ending at t are earlier occurrences from t + 1 on
+            last_end[n][tuple(tokens[t - n + 1 : t + 1])] = t
+    return out_tok, out_match
+
+
 def cut_after_eos(tokens: torch.Tensor, length: torch.Tensor, is_eos) -> torch.Tensor:
     """Nothing is drafted after an EOS: (B,) lengths cut to end at a row's first drafted EOS, if any."""
     j = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
@@ -102,7 +129,7 @@ class NgramDrafter(Drafter):
         mask = state.mask
         self.prompt_pad = None if mask is None else (mask == 0)
 
-    def _text(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+    def text_of(self, state) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L) tokens of every row up to the longest, padding replaced by _PAD; (B,) index of last tokens."""
         length = max(state.lengths)  # host copy: no device sync
         text = state.seq[:, :length]
@@ -113,7 +140,7 @@ class NgramDrafter(Drafter):
 
     def lookup(self, state, k: int) -> NgramProposal:
         """The n-gram continuation for every row (length 0 for finished rows and rows without a match)."""
-        text, last = self._text(state)
+        text, last = self.text_of(state)
         match, end = suffix_match(text, last, self.ngram_max, self.ngram_min)
         match = match.masked_fill(state.finished, 0)
         tokens, length = continuation(text, last, match, end, k)
@@ -123,7 +150,7 @@ class NgramDrafter(Drafter):
         """[row][branch] the continuations (up to k tokens, cut after an EOS) of the `count` most recent
         occurrences of each row's longest matched suffix, most recent first; none for finished rows and rows
         whose match is shorter than min_match."""
-        text, last = self._text(state)
+        text, last = self.text_of(state)
         match, ends = suffix_matches(text, last, self.ngram_max, self.ngram_min, count)
         match = match.masked_fill(state.finished | (match < min_match), 0)
         chains = []

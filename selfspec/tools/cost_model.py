@@ -23,7 +23,7 @@ import torch
 from ..cache import SlotTable, SpecCache
 from ..drafters.early_exit import EarlyExitDrafter
 from ..forward import StepContext, forward_early, forward_prompt
-from ..heads import teacher_forced_logits
+from ..heads import teacher_forced_copy_logits, teacher_forced_logits
 from .measure import fastest
 from .replay import accepted_drafts, replay_greedy
 
@@ -68,22 +68,25 @@ class LayerAcceptance:
         return [p / t if t else 0.0 for p, t in zip(passed, tried)]
 
 
-def _head_drafts(engine, exit_layer: int, states, rows: slice, answer: torch.Tensor):
+def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice, answer: torch.Tensor):
     """Draft token ids (N,), the head's top probability (N,) and the rank of each answer token (N,) at the `rows`
-    of a text whose hidden states (HF's tuple: embeddings, each layer's output, the last one final-normed) are
-    given; answer (N,) holds the tokens the full model emitted there."""
+    of a text `ids` (1, T) whose hidden states (HF's tuple: embeddings, each layer's output, the last one
+    final-normed) are given; answer (N,) holds the tokens the full model emitted there."""
     head = engine.head_for(exit_layer)
-    logits = teacher_forced_logits(head, states, engine.adapter, rows).float()  # (N, V_draft)
-    probs = logits.softmax(-1)
+    if head.copy_max:  # its candidates come from the text; its logits cover the full vocabulary
+        logits, vocab_ids = teacher_forced_copy_logits(head, states, engine.adapter, ids, rows), None
+    else:
+        logits, vocab_ids = teacher_forced_logits(head, states, engine.adapter, rows).float(), head.vocab_ids
+    probs = logits.softmax(-1)  # (N, V_draft), or (N, V)
     conf, idx = probs.max(-1)
     column = answer.to(probs.device)
-    if head.vocab_ids is not None:  # the answer token's column in the draft vocabulary, -1 outside it
+    if vocab_ids is not None:  # the answer token's column in the draft vocabulary, -1 outside it
         lookup = torch.full((engine.adapter.vocab_size,), -1, dtype=torch.long, device=probs.device)
         lookup[head.vocab_ids.to(probs.device)] = torch.arange(head.vocab_ids.numel(), device=probs.device)
         column = lookup[column]
     p_answer = probs.gather(1, column.clamp(min=0)[:, None])
     rank = (probs > p_answer).sum(-1).masked_fill(column < 0, probs.shape[-1])
-    return head.token_ids(idx), conf, rank
+    return (idx if vocab_ids is None else head.token_ids(idx)), conf, rank
 
 
 @torch.no_grad()
@@ -97,7 +100,7 @@ def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]
         states = model(ids, output_hidden_states=True).hidden_states  # L + 1 of (1, P + N, H)
         for e in exit_layers:
             # position P - 1 + i predicts answer token i; hidden_states[e] is the input of layer e
-            tokens, conf, rank = _head_drafts(engine, e, states, slice(p - 1, p - 1 + n), seq.answer)
+            tokens, conf, rank = _head_drafts(engine, e, states, ids, slice(p - 1, p - 1 + n), seq.answer)
             out[e].agree.append((tokens.cpu() == seq.answer.cpu()).tolist())
             out[e].conf.append(conf.cpu().tolist())
             out[e].rank.append(rank.cpu().tolist())

@@ -94,27 +94,32 @@ def load_designs(model, cfg: EvalConfig) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # replay: what the decode loop would accept, from one teacher-forced pass
 @torch.no_grad()
-def first_drafts(head, adapter, states, p: int, n: int, ranks: int = 1) -> torch.Tensor:
+def first_drafts(head, adapter, states, p: int, n: int, ranks: int = 1, text=None) -> torch.Tensor:
     """(n, ranks) the head's `ranks` best drafts for answer token i, best first, made from the state of the token
     before it (all rounds' first drafts; for stateless and context="early" heads also every later draft, since
-    their inputs are the same). Column 0 is the draft a chain makes; the others are what a tree's root adds."""
-    from selfspec.heads import teacher_forced_logits
+    their inputs are the same). Column 0 is the draft a chain makes; the others are what a tree's root adds.
+    A copy head also reads its candidates from `text` (1, p + n), the prompt and answer."""
+    from selfspec.heads import teacher_forced_copy_logits, teacher_forced_logits
 
-    logits = teacher_forced_logits(head, states, adapter, slice(p - 1, p - 1 + n))  # (n, V_draft)
+    rows = slice(p - 1, p - 1 + n)
+    if head.copy_max:
+        return teacher_forced_copy_logits(head, states, adapter, text, rows).topk(ranks, dim=-1).indices
+    logits = teacher_forced_logits(head, states, adapter, rows)  # (n, V_draft)
     return head.token_ids(logits.topk(ranks, dim=-1).indices)
 
 
 @torch.no_grad()
-def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new: int) -> int:
+def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new: int, text=None) -> int:
     """Verify steps of greedy decoding with K = k drafts per step on this answer (generated with max_new new
     tokens), counted by the loop's own rules (selfspec.tools.replay): a step after answer token done - 1 drafts
-    the head's tokens for done, done + 1, ... and the verifier accepts them while they equal the answer."""
+    the head's tokens for done, done + 1, ... and the verifier accepts them while they equal the answer. A copy
+    head looks its candidates up in `text` (1, p + n): while drafts equal the answer, that is the drafter's text."""
     from selfspec.tools.replay import accepted_drafts, replay_greedy
 
     n = answer.numel()
     rounds = TopRounds(head, adapter, states) if head.stateful and head.context == "top" else \
-        TopChain(head, adapter, states) if head.reads_top else None
-    hits = None if rounds else (first_drafts(head, adapter, states, p, n)[:, 0] == answer).tolist()
+        TopChain(head, adapter, states, text) if head.reads_top else None
+    hits = None if rounds else (first_drafts(head, adapter, states, p, n, text=text)[:, 0] == answer).tolist()
 
     def step(done: int, room: int) -> int:
         if rounds is None:
@@ -161,21 +166,29 @@ class TopChain:
     """Drafts of a top-reading MLP head as the decode loop makes them (the drafter's own TopStates): a round whose
     pending token sits at r reads the final state at r - 1, each later draft the head's own estimate before it."""
 
-    def __init__(self, head, adapter, states):
+    def __init__(self, head, adapter, states, text=None):
         from selfspec.drafters.early_exit import TopStates
+        from selfspec.drafters.ngram import prefix_copy_candidates
 
         self.head, self.adapter, self.tops = head, adapter, TopStates()
         self.early, self.top = states[head.exit_layer], states[-1]  # (1, T, H)
+        if head.copy_max:  # (T,) candidate after each position of the text, and its match length
+            self.copy = [torch.tensor(c) for c in prefix_copy_candidates(text[0].tolist(), head.copy_max)]
 
     def drafts(self, r: int, room: int) -> torch.Tensor:
         """(room,) draft ids for positions r+1 .. r+room of a round whose pending token sits at position r."""
-        from selfspec.heads import lm_logits
+        from selfspec.heads import full_vocab_logits, lm_logits
 
         if room == 0:
             return torch.zeros(0, dtype=torch.long)
         self.tops.start(self.top[:, r - 1] if r > 0 else torch.zeros_like(self.top[:, 0]))
         normed = self.tops.normed(self.head, self.adapter, self.early[:, r : r + room], None)  # (1, room, H)
-        return self.head.token_ids(lm_logits(self.adapter, normed, self.head.vocab_ids)[0].argmax(-1))
+        logits = lm_logits(self.adapter, normed, self.head.vocab_ids)
+        if not self.head.copy_max:
+            return self.head.token_ids(logits[0].argmax(-1))
+        full = full_vocab_logits(logits.float(), self.head.vocab_ids, self.adapter.vocab_size)
+        token, match = (c[r : r + room][None] for c in self.copy)
+        return self.head.rescore_copy(full, normed, self.adapter, token, match)[0].argmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -244,12 +257,12 @@ def main(argv=None) -> int:
         with torch.no_grad():
             states = model(out, output_hidden_states=True).hidden_states  # L + 1 of (1, p + n, H)
         for key, head in heads.items():
-            ranked = first_drafts(head, adapter, states, p, answer.numel(), ranks=4)[1:]  # (n - 1, 4)
+            ranked = first_drafts(head, adapter, states, p, answer.numel(), ranks=4, text=out)[1:]  # (n - 1, 4)
             hits = (ranked[:, 0] == answer[1:]).sum()
             t = replays[key]
             t.add_agreement(prompt.category, int(hits), answer.numel() - 1)
             t.hits_top4 += int((ranked == answer[1:, None]).any(-1).sum())
-            steps = replay(head, adapter, states, answer, p, cfg.max_draft_tokens, cfg.max_new_tokens)
+            steps = replay(head, adapter, states, answer, p, cfg.max_draft_tokens, cfg.max_new_tokens, text=out)
             t.steps, t.tokens = t.steps + steps, t.tokens + answer.numel()
         # the measured settings, in an order that rotates per prompt
         for j in range(len(measure)):

@@ -1,0 +1,230 @@
+"""Make a trained MLP exit head a copy head: fit how far it trusts prompt lookup's candidate. Reads top to bottom.
+
+    python -m train.train_copy --heads selfspec/assets/smollm2-135m --data-dir DIR --out-dir runs/copy
+
+An MLP over one position cannot look a token up in the prompt; prompt lookup can, but blindly. A copy head gets
+both: at every draft the candidate that followed the last earlier occurrence of the text's longest suffix of
+n <= copy_max tokens is scored by its own LM-head logit plus `copy_bias[n] + copy_gate(state)`
+(heads.MLPHead.rescore_copy). This script keeps the head's MLP as trained and fits only those copy_max + 1 + H
+numbers, by cross-entropy against the full model's next token on rows of `train.collect` shards whose text has
+a candidate. Rows of the sequences train_heads held out (same seed and fraction) measure first-draft agreement
+before and after. Output: the head with its copy parameters, through save_pretrained, next to the config it
+came with (calibrate again afterwards: drafts change).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------------------
+# config: every knob, with what it does
+
+
+@dataclass
+class CopyConfig:
+    heads: str = "selfspec/assets/smollm2-135m"  # directory of the trained head (and the config saved with it)
+    data_dir: str = "data_cache/smollm2-135m"  # train.collect shards + manifest.json (token ids and states)
+    out_dir: str = "runs/smollm2-135m-copy"  # where the copy head and its config are saved
+    model: str | None = None  # name or path for selfspec.models.resolve_model; None = smollm2-135m
+    exit_layer: int | None = None  # the head to extend; None = the config's exit layer
+    copy_max: int = 5  # longest suffix looked up (prompt lookup's ngram_max)
+    rows: int = 200_000  # answer rows with a candidate, sampled evenly over the shards
+    steps: int = 300  # full-batch Adam steps (the fit has copy_max + 1 + H parameters)
+    lr: float = 0.05  # Adam learning rate
+    holdout_fraction: float = 0.1  # sequences kept out (train_heads' rule, so the MLP never saw them either)
+    seed: int = 0  # train_heads' seed for the held-out sequences, and the row sample's
+    dtype: str = "bfloat16"  # model dtype the features are computed in (the dtype drafting runs in)
+    threads: int | None = None  # torch intra-op threads on CPU
+
+
+def parse_args(argv=None) -> CopyConfig:
+    p = argparse.ArgumentParser(prog="python -m train.train_copy", description=__doc__.split("\n\n")[0])
+    for name, f in CopyConfig.__dataclass_fields__.items():
+        kind = str if name in ("heads", "data_dir", "out_dir", "model", "dtype") else \
+            float if name in ("lr", "holdout_fraction") else int
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default)
+    cfg = CopyConfig(**vars(p.parse_args(argv)))
+    if not 1 <= cfg.copy_max <= 16:
+        raise SystemExit(f"--copy-max {cfg.copy_max}: must be in [1, 16] (the longest suffix looked up).")
+    if cfg.rows < 1000:
+        raise SystemExit(f"--rows {cfg.rows}: too few to fit on; use at least 1000.")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the head: the trained MLP head with copy parameters added (zero: it starts as the head plus its candidate)
+def copy_head_from(head, copy_max: int):
+    from selfspec.heads import MLPHead
+
+    if not isinstance(head, MLPHead):
+        raise SystemExit(f"train.train_copy extends MLP heads; the head at layer {head.exit_layer} is "
+                         f"{head.kind!r}. Train one with python -m train.train_heads --head mlp first.")
+    new = MLPHead(head.exit_layer, head.hidden_size, head.rank, head.vocab_ids, context=head.context,
+                  copy_max=copy_max)
+    new.load_state_dict(head.state_dict(), strict=False)
+    return new.to(head.norm.weight.dtype).requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data: answer rows with a candidate, their copy inputs and the head's frozen scores there
+def shard_candidates(f, keep: torch.Tensor, copy_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token (R,), match (R,)) copy candidates of a shard's kept rows: row at position t looks up its sequence's
+    tokens [0, t], as the drafter looks up the text ending at the token it drafts after."""
+    from selfspec.drafters.ngram import prefix_copy_candidates
+
+    tokens, tok_off = f.get_tensor("seq_tokens"), f.get_tensor("seq_token_offsets")
+    offsets, positions, inputs = f.get_tensor("seq_offsets"), f.get_tensor("positions"), f.get_tensor("input_ids")
+    token, match = torch.full_like(positions, -1), torch.zeros_like(positions)
+    for s in range(len(offsets) - 1):
+        lo, hi = int(offsets[s]), int(offsets[s + 1])
+        rows = keep[lo:hi].nonzero()[:, 0] + lo
+        if len(rows) == 0:
+            continue
+        text = tokens[tok_off[s] : tok_off[s + 1]].tolist()
+        pos = positions[rows].long()
+        if not torch.equal(torch.tensor(text)[pos], inputs[rows]):
+            raise ValueError("shard rows do not index their sequence's tokens: was it written by train.collect?")
+        cand, n = prefix_copy_candidates(text[: int(pos.max()) + 1], copy_max)
+        token[rows], match[rows] = torch.tensor(cand)[pos].int(), torch.tensor(n)[pos].int()
+    return token, match
+
+
+def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
+    """{train, held}: dicts of (N, ...) tensors of sampled answer rows that have a candidate."""
+    from safetensors import safe_open
+
+    from .train_heads import held_out_sequences, previous_rows, shard_rows
+
+    shards = sorted(os.path.join(cfg.data_dir, f) for f in os.listdir(cfg.data_dir) if f.endswith(".safetensors"))
+    if not shards:
+        raise SystemExit(f"No shards in {cfg.data_dir!r}: run python -m train.collect first.")
+    plans = [shard_rows(path) for path in shards]
+    seq_base = torch.cumsum(torch.tensor([0] + [n for _, _, n in plans]), 0).tolist()
+    held_seqs = held_out_sequences(seq_base[-1], cfg.holdout_fraction, cfg.seed)
+    g = torch.Generator().manual_seed(cfg.seed)
+    per_shard = cfg.rows // len(shards) + 1
+    parts = []
+    for path, (keep, seq, _), base in zip(shards, plans, seq_base):
+        with safe_open(path, "pt") as f:
+            token, match = shard_candidates(f, keep, cfg.copy_max)
+            rows = (keep & (match > 0)).nonzero()[:, 0]
+            rows = rows[torch.randperm(len(rows), generator=g)[:per_shard]].sort().values
+            held = torch.isin(seq[torch.searchsorted(keep.nonzero()[:, 0], rows)] + base, held_seqs)
+            final = f.get_tensor("hidden.final")
+            part = {"early": f.get_tensor(f"hidden.{exit_layer}")[rows], "target": f.get_tensor("teacher_top1")[rows],
+                    "token": token[rows], "match": match[rows], "held": held}
+            if prev_top:
+                part["prev"] = previous_rows(final, f.get_tensor("seq_offsets"))[rows]
+            del final
+        parts.append(part)
+    rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    held = rows.pop("held")
+    return {"train": {k: v[~held] for k, v in rows.items()}, "held": {k: v[held] for k, v in rows.items()}}
+
+
+@torch.no_grad()
+def frozen_scores(head, adapter, rows: dict, chunk: int = 4096) -> dict:
+    """What the fit needs of the frozen head per row: its normed state, the candidate's own logit, the log-sum-exp
+    and the best of the other draft-vocabulary logits, and whether the target is the candidate, the best other
+    token, or neither representable (then the row is dropped)."""
+    from selfspec.heads import lm_logits
+
+    vocab = head.vocab_ids
+    out = {k: [] for k in ("normed", "own", "lse_rest", "max_rest", "rest_right", "is_copy", "target_logit", "ok")}
+    for i in range(0, len(rows["target"]), chunk):
+        s = slice(i, i + chunk)
+        dtype = head.norm.weight.dtype
+        prev = rows["prev"][s].to(dtype)[:, None] if "prev" in rows else None
+        normed = head.normed(rows["early"][s].to(dtype)[:, None], adapter, prev)[:, 0]  # (n, H)
+        logits = lm_logits(adapter, normed[:, None], vocab)[:, 0].float()  # (n, V_d)
+        token, target = rows["token"][s].long(), rows["target"][s].long()
+        own = lm_logits(adapter, normed[:, None], torch.unique(token))[:, 0].float()
+        own = own.gather(1, torch.searchsorted(torch.unique(token), token)[:, None])[:, 0]
+        full_ids = vocab if vocab is not None else torch.arange(logits.shape[1])
+        rest = logits.masked_fill(full_ids[None, :] == token[:, None], float("-inf"))  # the candidate scored apart
+        in_vocab = full_ids[None, :] == target[:, None]  # (n, V_d)
+        out["normed"].append(normed.float())
+        out["own"].append(own)
+        out["lse_rest"].append(torch.logsumexp(rest, dim=1))
+        best = rest.max(dim=1)
+        out["max_rest"].append(best.values)
+        out["rest_right"].append(full_ids[best.indices] == target)
+        out["is_copy"].append(token == target)
+        out["target_logit"].append(torch.where(in_vocab.any(1), rest.masked_fill(~in_vocab, float("-inf")).max(1)
+                                               .values, torch.zeros_like(own)))
+        out["ok"].append((token == target) | (in_vocab.any(1) & (token != target)))
+    scores = {k: torch.cat(v) for k, v in out.items()}
+    scores["match"] = rows["match"].long()
+    return scores
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fit: cross-entropy over the draft vocabulary with the candidate's logit as copy_score gives it
+def copy_loss(head, sc: dict) -> torch.Tensor:
+    score = head.copy_score(sc["own"], sc["normed"], sc["match"])
+    log_z = torch.logaddexp(sc["lse_rest"], score)
+    return (log_z - torch.where(sc["is_copy"], score, sc["target_logit"]))[sc["ok"]].mean()
+
+
+@torch.no_grad()
+def agreement(head, sc: dict) -> float:
+    """First-draft agreement on these rows with the head's copy parameters as they are (all zero: the plain head,
+    which also scores out-of-vocabulary candidates by their own logit)."""
+    pick = head.copy_score(sc["own"], sc["normed"], sc["match"]) > sc["max_rest"]
+    return float(torch.where(pick, sc["is_copy"], sc["rest_right"]).float().mean())
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    import selfspec
+    from selfspec.models import resolve_model
+
+    t0 = time.perf_counter()
+    model, _ = resolve_model(cfg.model or "smollm2-135m", dtype=cfg.dtype)
+    model.eval().requires_grad_(False)
+    selfspec.wrap(model, cfg.heads)
+    engine = model.selfspec
+    exit_layer = cfg.exit_layer if cfg.exit_layer is not None else engine.config.exit_layer
+    head = copy_head_from(engine.head_for(exit_layer), cfg.copy_max)
+    rows = load_copy_rows(cfg, exit_layer, head.reads_top)
+    scores = {k: frozen_scores(head, engine.adapter, v) for k, v in rows.items()}
+    print(f"{len(scores['train']['own'])} training rows, {len(scores['held']['own'])} held-out rows with a "
+          f"candidate ({time.perf_counter() - t0:.0f} s)")
+    before = agreement(head, scores["held"])
+
+    params = [head.copy_bias, head.copy_gate.weight]
+    for p in params:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+    for step in range(cfg.steps):
+        loss = copy_loss(head, scores["train"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == cfg.steps - 1:
+            print(f"step {step}: loss {loss.item():.4f}, held-out agreement {agreement(head, scores['held']):.1%}")
+    head.requires_grad_(False)
+    after = agreement(head, scores["held"])
+
+    engine.add_head(head)
+    engine.save_pretrained(cfg.out_dir)
+    report = {"config": asdict(cfg), "exit_layer": exit_layer, "copy_bias": head.copy_bias.tolist(),
+              "held_out_rows_with_candidate": len(scores["held"]["own"]),
+              "held_out_agreement_plain_head": before, "held_out_agreement_copy_head": after, "seconds": round(time.perf_counter() - t0, 1)}
+    with open(os.path.join(cfg.out_dir, "train_copy.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
