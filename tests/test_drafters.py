@@ -321,6 +321,10 @@ SAMPLING_CASES = {
     "top-head": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, head="mlp-top"),
     "top-head-tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3,
                           draft_tree_size=6, head="mlp-top"),
+    # a copy head: prompt lookup's candidate, trusted by match length, moves the draft distribution q
+    "copy-head": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, head="mlp-copy"),
+    "copy-head-tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3,
+                           draft_tree_size=6, head="mlp-copy"),
 }
 
 
@@ -335,6 +339,20 @@ def _top_head(hidden_size: int, dtype):
     return head
 
 
+def _copy_head(hidden_size: int, dtype):
+    """The top-reading head above, also a copy head that trusts longer matches more."""
+    from selfspec.heads import MLPHead
+
+    head = MLPHead(1, hidden_size, 2 * hidden_size, context="top", copy_max=2)
+    head.load_state_dict(_top_head(hidden_size, torch.float32).state_dict(), strict=False)
+    with torch.no_grad():
+        head.copy_bias.copy_(torch.tensor([0.0, 1.0, 2.5]))
+    return head.to(dtype)
+
+
+HEADS = {"mlp-top": _top_head, "mlp-copy": _copy_head}
+
+
 def _sampled_pvalues(target_and_exact, case):
     model, exact = target_and_exact
     cfg = dict(SAMPLING_CASES[case])
@@ -342,7 +360,7 @@ def _sampled_pvalues(target_and_exact, case):
     head = cfg.pop("head", None)
     selfspec.wrap(model, **cfg)
     if head:
-        model.selfspec.add_head(_top_head(model.config.hidden_size, model.dtype))
+        model.selfspec.add_head(HEADS[head](model.config.hidden_size, model.dtype))
     try:
         torch.manual_seed(1234)
         out = model.generate(PROMPT.repeat(ROWS, 1), **SAMPLE)[:, PROMPT.shape[1]:]
@@ -376,3 +394,20 @@ def test_tree_sampling_negative_control_residual(target_and_exact, monkeypatch, 
     monkeypatch.setattr(selfspec.trees, "residual_after_rejection", lambda r, x, q: r)
     pvalues, _ = _sampled_pvalues(target_and_exact, case)
     assert min(pvalues) < ALPHA, pvalues
+
+
+def test_prefix_copy_candidates_match_the_drafters_lookup():
+    """train_copy and eval_heads look candidates up for every prefix in one pass; the drafter with suffix_match on
+    the text so far. Both must give the same token and match length at every position."""
+    from selfspec.drafters.ngram import copy_candidates, prefix_copy_candidates
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        length, n_max = int(torch.randint(1, 40, (1,), generator=g)), 1 + trial % 5
+        text = torch.randint(0, 2 + trial % 5, (length,), generator=g)
+        token, match = prefix_copy_candidates(text.tolist(), n_max)
+        last = torch.arange(length)
+        rows = text[None].expand(length, length).masked_fill(torch.arange(length)[None] > last[:, None], -1)
+        want_token, want_match = copy_candidates(rows, last, n_max)
+        assert match == want_match.tolist(), trial
+        assert token == torch.where(want_match > 0, want_token, -1).tolist(), trial

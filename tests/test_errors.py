@@ -68,3 +68,23 @@ def test_hybrid_fallback_must_be_a_bool():
     """A YAML or JSON "yes"/"no" string would otherwise read as true."""
     with pytest.raises(ValueError, match="hybrid_fallback must be true or false, got 'no'"):
         selfspec.wrap(make_model("llama", 4), exit_layer=1, drafter="hybrid", hybrid_fallback="no")
+
+
+@pytest.mark.parametrize("bad", [-1, 17, "5", True, 2.0])
+def test_copy_max_must_be_a_small_integer(bad):
+    from selfspec.heads import MLPHead
+
+    with pytest.raises(ValueError, match=r"copy_max must be an integer in \[0, 16\]"):
+        MLPHead(2, 32, 48, copy_max=bad)
+
+
+def test_train_copy_refuses_heads_that_are_not_mlp():
+    from selfspec.heads import AttentionHead
+    from selfspec.training.train_copy import copy_head_from, parse_args
+
+    model = make_model("llama", 4)
+    head = AttentionHead.from_model(selfspec.arch.adapter_for(model), 2)
+    with pytest.raises(SystemExit, match="train.train_copy extends MLP heads; the head at layer 2 is 'attn'"):
+        copy_head_from(head, 3)
+    with pytest.raises(SystemExit, match="--copy-max 0: must be in"):
+        parse_args(["--copy-max", "0"])

@@ -52,8 +52,8 @@ def parse_args(argv=None) -> CopyConfig:
     cfg = CopyConfig(**vars(p.parse_args(argv)))
     if not 1 <= cfg.copy_max <= 16:
         raise SystemExit(f"--copy-max {cfg.copy_max}: must be in [1, 16] (the longest suffix looked up).")
-    if cfg.rows < 1000:
-        raise SystemExit(f"--rows {cfg.rows}: too few to fit on; use at least 1000.")
+    if cfg.rows < 1 or cfg.steps < 1:
+        raise SystemExit(f"--rows {cfg.rows} --steps {cfg.steps}: both must be at least 1.")
     return cfg
 
 
@@ -125,6 +125,9 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
         parts.append(part)
     rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     held = rows.pop("held")
+    if held.all() or not held.any():
+        raise SystemExit(f"{int((~held).sum())} training and {int(held.sum())} held-out rows with a copy candidate "
+                         f"in {cfg.data_dir!r}: need both; collect more text or change --holdout-fraction.")
     return {"train": {k: v[~held] for k, v in rows.items()}, "held": {k: v[held] for k, v in rows.items()}}
 
 
@@ -205,6 +208,8 @@ def main(argv=None) -> int:
         p.data = p.data.float()
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=cfg.lr)
+    with torch.no_grad():
+        loss_before = float(copy_loss(head, scores["train"]))
     for step in range(cfg.steps):
         loss = copy_loss(head, scores["train"])
         opt.zero_grad()
@@ -214,11 +219,14 @@ def main(argv=None) -> int:
             print(f"step {step}: loss {loss.item():.4f}, held-out agreement {agreement(head, scores['held']):.1%}")
     head.requires_grad_(False)
     after = agreement(head, scores["held"])
+    with torch.no_grad():
+        loss_after = float(copy_loss(head, scores["train"]))
 
     engine.add_head(head)
     engine.save_pretrained(cfg.out_dir)
     report = {"config": asdict(cfg), "exit_layer": exit_layer, "copy_bias": head.copy_bias.tolist(),
               "held_out_rows_with_candidate": len(scores["held"]["own"]),
+              "train_loss_before": loss_before, "train_loss_after": loss_after,
               "held_out_agreement_plain_head": before, "held_out_agreement_copy_head": after, "seconds": round(time.perf_counter() - t0, 1)}
     with open(os.path.join(cfg.out_dir, "train_copy.json"), "w") as fh:
         json.dump(report, fh, indent=1)
