@@ -161,14 +161,14 @@ class MLPHead(ExitHead):
                      match: torch.Tensor) -> torch.Tensor:
         """(B, T, V) full-vocabulary draft logits (-inf outside the draft vocabulary) -> the same with each
         position's copy candidate `token` (B, T) scored by `copy_score`; positions with match 0 have none."""
-        has = match > 0
-        if not self.copy_max or not bool(has.any()):
+        if not self.copy_max:
             return logits
-        ids = torch.unique(token[has])  # (U,) sorted: the candidates' LM-head rows, scored once each
-        col = torch.searchsorted(ids, token.clamp(min=0)).clamp(max=ids.numel() - 1)
-        own = lm_logits(adapter, normed, ids).gather(-1, col[..., None])[..., 0]  # (B, T)
+        has, where = match > 0, token.clamp(min=0)[..., None]  # (B, T), (B, T, 1)
+        b, t = token.shape
+        # each position's candidate row of the LM head: (B, T, B * T) logits, position (i, j) reads column i * T + j
+        own = lm_logits(adapter, normed, where.flatten()).gather(
+            -1, torch.arange(b * t, device=token.device).view(b, t, 1))[..., 0]  # (B, T)
         score = self.copy_score(own, normed, match)
-        where = token.clamp(min=0)[..., None]
         kept = logits.gather(-1, where)[..., 0]
         return logits.scatter(-1, where, torch.where(has, score.to(logits.dtype), kept)[..., None])
 

@@ -188,7 +188,10 @@ class CopyPaths:
         self.tokens = inputs if self.tokens is None else torch.cat([self.tokens, inputs], dim=1)
         self.parent = parents if self.parent is None else torch.cat([self.parent, parents], dim=1)
         text, last = self.lookup.text_of(state)  # (B, L), (B,): last is the pending token
-        path, depth = self._paths(index)  # (B, T, D) drafts after the pending token, oldest first; (B, T)
+        if parents is None and self.tokens.shape[1] == n + t:  # a chain: each input's path is a prefix of the last's
+            path, depth = self.tokens[:, None, 1:].expand(b, t, n + t - 1), index
+        else:
+            path, depth = self._paths(index)  # (B, T, D) drafts after the pending token, oldest first; (B, T)
         rows = _texts_with_paths(text, last, path, depth)  # (B * T, L + D)
         token, match = copy_candidates(rows, (last[:, None] + depth).flatten(), self.n_max)
         return token.view(b, t), match.view(b, t)
