@@ -1,4 +1,4 @@
-"""`selfspec` command line: generate | bench | calibrate | train-heads. Each subcommand's module owns its flags
+"""`selfspec` command line: generate | bench | calibrate | train-heads | train-copy. Each subcommand's module owns its flags
 through a `main(argv)` of its own; this file dispatches and turns a user's mistake (a bad value, a missing file or
 package, an unknown model) into one line on stderr with exit status 2 -- `--debug` shows the traceback instead.
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": ("selfspec.tools.bench", "Spec-Bench-style benchmark against Hugging Face's own methods"),
     "calibrate": ("selfspec.tools.calibrate", "Optuna search for the fastest exit layer / draft length on this device"),
     "train-heads": ("selfspec.training.train_heads", "train early-exit heads by self-distillation"),
+    "train-copy": ("selfspec.training.train_copy", "make a trained MLP head a copy head (fit its trust in lookups)"),
 }
 
 USAGE = "usage: selfspec [--debug] {" + ",".join(COMMANDS) + "} [--help] ...\n\n" + "\n".join(

@@ -75,7 +75,7 @@ def tiny(tmp_path_factory):
 def test_help_lists_commands_and_example():
     out = run("--help")
     assert out.returncode == 0
-    for word in ("generate", "bench", "calibrate", "train-heads", "example", "--debug"):
+    for word in ("generate", "bench", "calibrate", "train-heads", "train-copy", "example", "--debug"):
         assert word in out.stdout
     gen = run("generate", "--help")
     assert gen.returncode == 0 and "--max-new-tokens" in gen.stdout and "examples:" in gen.stdout
@@ -109,13 +109,14 @@ def test_lazy_package_names_survive_submodule_imports():
 def test_bench_and_train_heads_help_text():
     bench = run("bench", "--help")
     assert bench.returncode == 0 and "(default: None)" not in bench.stdout, bench.stdout
-    heads = run("train-heads", "--help")
-    assert heads.returncode == 0
-    # every option has a description: an option line alone is followed by an indented description line
-    lines = heads.stdout.split("options:")[1].splitlines()
-    bare = [line.strip() for i, line in enumerate(lines) if line.startswith("  --")
-            and len(line.strip().split()) <= 2 and not lines[i + 1].startswith(" " * 10)]
-    assert not bare, f"options without help text: {bare}"
+    for command in ("train-heads", "train-copy"):
+        heads = run(command, "--help")
+        assert heads.returncode == 0
+        # every option has a description: an option line alone is followed by an indented description line
+        lines = heads.stdout.split("options:")[1].splitlines()
+        bare = [line.strip() for i, line in enumerate(lines) if line.startswith("  --")
+                and len(line.strip().split()) <= 2 and not lines[i + 1].startswith(" " * 10)]
+        assert not bare, f"selfspec {command}: options without help text: {bare}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Make a trained MLP exit head a copy head: fit how far it trusts prompt lookup's candidate. Reads top to bottom.
 
     python -m train.train_copy --heads selfspec/assets/smollm2-135m --data-dir DIR --out-dir runs/copy
+    selfspec train-copy --heads selfspec/assets/smollm2-135m --data-dir DIR --out-dir runs/copy
 
 An MLP over one position cannot look a token up in the prompt; prompt lookup can, but blindly. A copy head gets
 both: at every draft the candidate that followed the last earlier occurrence of the text's longest suffix of
@@ -43,12 +44,31 @@ class CopyConfig:
     threads: int | None = None  # torch intra-op threads on CPU
 
 
+# `selfspec train-copy --help` text of each CopyConfig field (its comment above)
+OPTION_HELP = {
+    "heads": "directory of the trained head and the config saved with it",
+    "data_dir": "train.collect shards and manifest.json (token ids and states)",
+    "out_dir": "where the copy head and its config are saved",
+    "model": "model name or path (default: smollm2-135m)",
+    "exit_layer": "the head to extend (default: the config's exit layer)",
+    "copy_max": "longest suffix looked up, in tokens (prompt lookup's ngram_max)",
+    "rows": "answer rows with a candidate, sampled evenly over the shards",
+    "steps": "full-batch Adam steps",
+    "lr": "Adam learning rate",
+    "holdout_fraction": "fraction of sequences kept out to measure agreement (train_heads' rule)",
+    "seed": "seed of the held-out sequences (train_heads') and of the row sample",
+    "dtype": "model dtype the features are computed in (the one drafting runs in)",
+    "threads": "torch intra-op threads on CPU",
+}
+
+
 def parse_args(argv=None) -> CopyConfig:
-    p = argparse.ArgumentParser(prog="python -m train.train_copy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="selfspec train-copy", description=__doc__.split("\n\n")[0])
     for name, f in CopyConfig.__dataclass_fields__.items():
         kind = str if name in ("heads", "data_dir", "out_dir", "model", "dtype") else \
             float if name in ("lr", "holdout_fraction") else int
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default)
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default,
+                       help=f"{OPTION_HELP[name]} (default: {f.default})")
     cfg = CopyConfig(**vars(p.parse_args(argv)))
     if not 1 <= cfg.copy_max <= 16:
         raise SystemExit(f"--copy-max {cfg.copy_max}: must be in [1, 16] (the longest suffix looked up).")
