@@ -183,12 +183,13 @@ class CopyPaths:
         b, t = inputs.shape
         n = 0 if self.tokens is None else self.tokens.shape[1]
         index = torch.arange(n, n + t, device=inputs.device)[None, :].expand(b, t)
-        if parents is None:
+        chain = parents is None
+        if chain:
             parents = index - 1  # the pending token's "parent" (-1) is the verified text itself
         self.tokens = inputs if self.tokens is None else torch.cat([self.tokens, inputs], dim=1)
         self.parent = parents if self.parent is None else torch.cat([self.parent, parents], dim=1)
         text, last = self.lookup.text_of(state)  # (B, L), (B,): last is the pending token
-        if parents is None and self.tokens.shape[1] == n + t:  # a chain: each input's path is a prefix of the last's
+        if chain:  # a chain (or a tree's root): each input's path is the inputs after the pending one
             path, depth = self.tokens[:, None, 1:].expand(b, t, n + t - 1), index
         else:
             path, depth = self._paths(index)  # (B, T, D) drafts after the pending token, oldest first; (B, T)
