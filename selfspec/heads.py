@@ -294,6 +294,15 @@ def full_vocab_logits(sub: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_s
     return full.index_copy_(sub.dim() - 1, vocab_ids.to(sub.device), sub)
 
 
+def draft_logits(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, vocab_size: int, token=None,
+                 match=None) -> torch.Tensor:
+    """(B, T, H) a head's normed outputs -> (B, T, V) float draft logits over the full vocabulary (-inf outside the
+    head's), with a copy head's candidates `token` / `match` (B, T) rescored when given: what the drafter, the
+    cost model's profile and eval_heads' replay all draft from."""
+    full = full_vocab_logits(lm_logits(adapter, normed, head.vocab_ids).float(), head.vocab_ids, vocab_size)
+    return full if token is None else head.rescore_copy(full, normed, adapter, token, match)
+
+
 def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, text: torch.Tensor,
                                rows: slice) -> torch.Tensor:
     """(N, V) full-vocabulary draft logits of a copy head at `rows` of one text (1, T) from HF's hidden states of
@@ -302,10 +311,9 @@ def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, tex
 
     prev = previous_top(states[-1])[:, rows] if head.reads_top else None
     normed = head.normed(states[head.exit_layer][:, rows], adapter, prev)  # (1, N, H)
-    full = full_vocab_logits(lm_logits(adapter, normed, head.vocab_ids).float(), head.vocab_ids, adapter.vocab_size)
-    token, match = prefix_copy_candidates(text[0, : rows.stop].tolist(), head.copy_max)
-    token, match = torch.tensor(token)[rows].to(full.device), torch.tensor(match)[rows].to(full.device)
-    return head.rescore_copy(full, normed, adapter, token[None], match[None])[0]
+    token, match = (torch.tensor(c)[rows].to(normed.device)[None]
+                    for c in prefix_copy_candidates(text[0, : rows.stop].tolist(), head.copy_max))
+    return draft_logits(head, adapter, normed, adapter.vocab_size, token, match)[0]
 
 
 def previous_top(top: torch.Tensor) -> torch.Tensor:

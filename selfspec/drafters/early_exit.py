@@ -7,7 +7,7 @@ import torch
 
 from ..cache import SpecCache
 from ..forward import forward_early, run_module
-from ..heads import ExitHead, full_vocab_logits, lm_logits
+from ..heads import ExitHead, draft_logits, full_vocab_logits
 from .base import Draft, Drafter, choose_draft
 from .ngram import _PAD, NgramDrafter, copy_candidates
 from .tree import grow_tree
@@ -53,22 +53,20 @@ class EarlyExitDrafter(Drafter):
         candidate after each input (the (B, T) `inputs` tokens; without them it drafts as if none matched)."""
         if self.head_cache is not None:
             out = self.head_cache.feed(state, hidden, positions)
-            full = self._full_vocab(state, self.head.logits(out if every else out[:, -1:], state.adapter).float())
+            sub = self.head.logits(out if every else out[:, -1:], state.adapter).float()
+            full = full_vocab_logits(sub, self.head.vocab_ids, state.vocab_size)
             return full if every else full[:, -1]
         if self.tops is not None:
             normed = self.tops.normed(self.head, state.adapter, hidden, parents)
             normed = normed if every else normed[:, -1:]
         else:
             normed = self.head.normed(hidden if every else hidden[:, -1:], state.adapter)
-        full = self._full_vocab(state, lm_logits(state.adapter, normed, self.head.vocab_ids).float())  # (B, T', V)
+        token = match = None
         if self.copies is not None and inputs is not None:
             token, match = self.copies.candidates(state, inputs, parents)  # (B, T): every input joins the paths
             token, match = (token, match) if every else (token[:, -1:], match[:, -1:])
-            full = self.head.rescore_copy(full, normed, state.adapter, token, match)
+        full = draft_logits(self.head, state.adapter, normed, state.vocab_size, token, match)  # (B, T', V)
         return full if every else full[:, -1]
-
-    def _full_vocab(self, state, sub: torch.Tensor) -> torch.Tensor:
-        return full_vocab_logits(sub, self.head.vocab_ids, state.vocab_size)
 
     def run(self, state, inputs: torch.Tensor, positions: torch.Tensor, every: bool = False,
             parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,18 +177,16 @@ class TopChain:
 
     def drafts(self, r: int, room: int) -> torch.Tensor:
         """(room,) draft ids for positions r+1 .. r+room of a round whose pending token sits at position r."""
-        from selfspec.heads import full_vocab_logits, lm_logits
+        from selfspec.heads import draft_logits, lm_logits
 
         if room == 0:
             return torch.zeros(0, dtype=torch.long)
         self.tops.start(self.top[:, r - 1] if r > 0 else torch.zeros_like(self.top[:, 0]))
         normed = self.tops.normed(self.head, self.adapter, self.early[:, r : r + room], None)  # (1, room, H)
-        logits = lm_logits(self.adapter, normed, self.head.vocab_ids)
         if not self.head.copy_max:
-            return self.head.token_ids(logits[0].argmax(-1))
-        full = full_vocab_logits(logits.float(), self.head.vocab_ids, self.adapter.vocab_size)
+            return self.head.token_ids(lm_logits(self.adapter, normed, self.head.vocab_ids)[0].argmax(-1))
         token, match = (c[r : r + room][None] for c in self.copy)
-        return self.head.rescore_copy(full, normed, self.adapter, token, match)[0].argmax(-1)
+        return draft_logits(self.head, self.adapter, normed, self.adapter.vocab_size, token, match)[0].argmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -136,12 +136,10 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
             rows = (keep & (match > 0)).nonzero()[:, 0]
             rows = rows[torch.randperm(len(rows), generator=g)[:per_shard]].sort().values
             held = torch.isin(seq[torch.searchsorted(keep.nonzero()[:, 0], rows)] + base, held_seqs)
-            final = f.get_tensor("hidden.final")
             part = {"early": f.get_tensor(f"hidden.{exit_layer}")[rows], "target": f.get_tensor("teacher_top1")[rows],
                     "token": token[rows], "match": match[rows], "held": held}
-            if prev_top:
-                part["prev"] = previous_rows(final, f.get_tensor("seq_offsets"))[rows]
-            del final
+            if prev_top:  # the final states are read only for a head that reads them
+                part["prev"] = previous_rows(f.get_tensor("hidden.final"), f.get_tensor("seq_offsets"))[rows]
         parts.append(part)
     rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     held = rows.pop("held")
@@ -167,8 +165,9 @@ def frozen_scores(head, adapter, rows: dict, chunk: int = 4096) -> dict:
         normed = head.normed(rows["early"][s].to(dtype)[:, None], adapter, prev)[:, 0]  # (n, H)
         logits = lm_logits(adapter, normed[:, None], vocab)[:, 0].float()  # (n, V_d)
         token, target = rows["token"][s].long(), rows["target"][s].long()
-        own = lm_logits(adapter, normed[:, None], torch.unique(token))[:, 0].float()
-        own = own.gather(1, torch.searchsorted(torch.unique(token), token)[:, None])[:, 0]
+        ids = torch.unique(token)  # each candidate's LM-head row, scored once
+        own = lm_logits(adapter, normed[:, None], ids)[:, 0].float()
+        own = own.gather(1, torch.searchsorted(ids, token)[:, None])[:, 0]
         full_ids = vocab if vocab is not None else torch.arange(logits.shape[1])
         rest = logits.masked_fill(full_ids[None, :] == token[:, None], float("-inf"))  # the candidate scored apart
         in_vocab = full_ids[None, :] == target[:, None]  # (n, V_d)
@@ -247,7 +246,8 @@ def main(argv=None) -> int:
     report = {"config": asdict(cfg), "exit_layer": exit_layer, "copy_bias": head.copy_bias.tolist(),
               "held_out_rows_with_candidate": len(scores["held"]["own"]),
               "train_loss_before": loss_before, "train_loss_after": loss_after,
-              "held_out_agreement_plain_head": before, "held_out_agreement_copy_head": after, "seconds": round(time.perf_counter() - t0, 1)}
+              "held_out_agreement_plain_head": before, "held_out_agreement_copy_head": after,
+              "seconds": round(time.perf_counter() - t0, 1)}
     with open(os.path.join(cfg.out_dir, "train_copy.json"), "w") as fh:
         json.dump(report, fh, indent=1)
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=1))
