@@ -333,8 +333,9 @@ def test_collect_then_train_heads_then_generate(setup, head):
 
 
 def test_train_copy_fits_the_trust_in_candidates(setup):
-    """train.train_copy on heads trained from collected shards: the fit lowers its (convex) loss, the saved head is
-    a copy head that loads and generates what plain `generate` does."""
+    """train.train_copy on heads trained from collected shards, its draft vocabulary cut to 24 tokens: the fit lowers
+    its (convex) loss, the saved head is a copy head over those tokens (the most frequent of its own 40) that loads
+    and generates what plain `generate` does."""
     import selfspec
     from selfspec.training import train_copy, train_heads
 
@@ -347,17 +348,30 @@ def test_train_copy_fits_the_trust_in_candidates(setup):
     out = setup["root"] / "heads-copy"
     assert train_copy.main(["--model", str(setup["model_dir"]), "--heads", str(heads), "--data-dir", str(cache),
                             "--out-dir", str(out), "--copy-max", "3", "--rows", "5000", "--steps", "40",
-                            "--holdout-fraction", "0.3", "--dtype", "float32", "--threads", "1"]) == 0
+                            "--holdout-fraction", "0.3", "--draft-vocab-size", "24", "--dtype", "float32",
+                            "--threads", "1"]) == 0
     report = json.loads((out / "train_copy.json").read_text())
     assert report["train_loss_after"] < report["train_loss_before"], report
     model, tok = selfspec.load(str(out), dtype=torch.float32)
     head = model.selfspec.heads[1]
+    own = selfspec.load(str(heads), dtype=torch.float32)[0].selfspec.heads[1].vocab_ids
+    assert 24 <= len(head.vocab_ids) <= 26 and bool(torch.isin(head.vocab_ids, own).all())
     assert head.copy_max == 3 and head.reads_top and bool(head.copy_bias.abs().sum() > 0)
     ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea and the sea and the sky."}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out_spec = model.generate(ids, max_new_tokens=16, do_sample=False)
     selfspec.unwrap(model)
     assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
+
+
+def test_smaller_vocab_keeps_the_most_frequent_and_the_stops():
+    from selfspec.training.train_copy import smaller_vocab
+
+    counts = torch.tensor([0, 9, 1, 7, 3, 8, 2, 0])
+    assert smaller_vocab(torch.tensor([1, 2, 3, 4, 6]), counts, 2, [7]).tolist() == [1, 3, 7]
+    assert smaller_vocab(None, counts, 3, [0]).tolist() == [0, 1, 3, 5]
+    with pytest.raises(SystemExit, match="has only 5 tokens"):
+        smaller_vocab(torch.tensor([1, 2, 3, 4, 6]), counts, 5, [])
 
 
 def test_missing_dataset_package_is_one_clear_line(monkeypatch):

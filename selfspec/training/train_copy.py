@@ -10,7 +10,9 @@ n <= copy_max tokens is scored by its own LM-head logit plus `copy_bias[n] + cop
 numbers, by cross-entropy against the full model's next token on rows of `train.collect` shards whose text has
 a candidate. Rows of the sequences train_heads held out (same seed and fraction) measure first-draft agreement
 before and after. Output: the head with its copy parameters, through save_pretrained, next to the config it
-came with (calibrate again afterwards: drafts change).
+came with (calibrate again afterwards: drafts change). With --draft-vocab-size the head keeps only that many of
+its draft-vocabulary tokens (the most frequent next tokens of the training rows): cheaper drafts, fitted as they
+will be used.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ class CopyConfig:
     model: str | None = None  # name or path for selfspec.models.resolve_model; None = smollm2-135m
     exit_layer: int | None = None  # the head to extend; None = the config's exit layer
     copy_max: int = 5  # longest suffix looked up (prompt lookup's ngram_max)
+    # 0 = the head's draft vocabulary as trained; N = only its N most frequent next tokens in the shards' training
+    # rows (plus the stop tokens): each draft then scores N LM-head rows, which costs about as much as a decoder
+    # layer per 8192 rows here; the candidate is still scored by its own row when it falls outside them
+    draft_vocab_size: int = 0
     rows: int = 200_000  # answer rows with a candidate, sampled evenly over the shards
     steps: int = 300  # full-batch Adam steps (the fit has copy_max + 1 + H parameters)
     lr: float = 0.05  # Adam learning rate
@@ -52,6 +58,8 @@ OPTION_HELP = {
     "model": "model name or path (default: smollm2-135m)",
     "exit_layer": "the head to extend (default: the config's exit layer)",
     "copy_max": "longest suffix looked up, in tokens (prompt lookup's ngram_max)",
+    "draft_vocab_size": "keep only this many of the head's draft-vocabulary tokens, the most frequent next tokens "
+                        "of the training rows, plus the stop tokens (0: as trained)",
     "rows": "answer rows with a candidate, sampled evenly over the shards",
     "steps": "full-batch Adam steps",
     "lr": "Adam learning rate",
@@ -72,6 +80,8 @@ def parse_args(argv=None) -> CopyConfig:
     cfg = CopyConfig(**vars(p.parse_args(argv)))
     if not 1 <= cfg.copy_max <= 16:
         raise SystemExit(f"--copy-max {cfg.copy_max}: must be in [1, 16] (the longest suffix looked up).")
+    if cfg.draft_vocab_size < 0:
+        raise SystemExit(f"--draft-vocab-size {cfg.draft_vocab_size}: must be 0 (keep the head's) or a size.")
     if cfg.rows < 1 or cfg.steps < 1:
         raise SystemExit(f"--rows {cfg.rows} --steps {cfg.steps}: both must be at least 1.")
     return cfg
@@ -79,16 +89,28 @@ def parse_args(argv=None) -> CopyConfig:
 
 # ----------------------------------------------------------------------------------------------------------------
 # the head: the trained MLP head with copy parameters added (zero: it starts as the head plus its candidate)
-def copy_head_from(head, copy_max: int):
+def copy_head_from(head, copy_max: int, vocab_ids: torch.Tensor | None = None):
+    """The head with copy parameters, over `vocab_ids` when given (else the head's own draft vocabulary)."""
     from selfspec.heads import MLPHead
 
     if not isinstance(head, MLPHead):
         raise SystemExit(f"train.train_copy extends MLP heads; the head at layer {head.exit_layer} is "
                          f"{head.kind!r}. Train one with python -m train.train_heads --head mlp first.")
-    new = MLPHead(head.exit_layer, head.hidden_size, head.rank, head.vocab_ids, context=head.context,
-                  copy_max=copy_max)
-    new.load_state_dict(head.state_dict(), strict=False)
+    vocab_ids = head.vocab_ids if vocab_ids is None else vocab_ids
+    new = MLPHead(head.exit_layer, head.hidden_size, head.rank, vocab_ids, context=head.context, copy_max=copy_max)
+    new.load_state_dict({k: v for k, v in head.state_dict().items() if k != "vocab_ids"}, strict=False)
     return new.to(head.norm.weight.dtype).requires_grad_(False)
+
+
+def smaller_vocab(vocab_ids: torch.Tensor | None, counts: torch.Tensor, size: int, stops: list[int]) -> torch.Tensor:
+    """The `size` most frequent (by `counts`, (V,)) tokens of a draft vocabulary (None: the full one), plus the stop
+    tokens, sorted: a head drafting over fewer LM-head rows."""
+    ids = torch.arange(len(counts)) if vocab_ids is None else vocab_ids.cpu()
+    if size >= len(ids):
+        raise SystemExit(f"--draft-vocab-size {size}: the head's draft vocabulary has only {len(ids)} tokens; "
+                         f"pass a smaller size, or 0 to keep it.")
+    top = ids[torch.argsort(counts[ids], descending=True, stable=True)[:size]]
+    return torch.unique(torch.cat([top, torch.tensor(stops, dtype=torch.long)]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,7 +138,8 @@ def shard_candidates(f, keep: torch.Tensor, copy_max: int) -> tuple[torch.Tensor
 
 
 def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
-    """{train, held}: dicts of (N, ...) tensors of sampled answer rows that have a candidate."""
+    """{train, held}: dicts of (N, ...) tensors of sampled answer rows that have a candidate; counts: (V,) how often
+    each token is the full model's next token on all answer rows of the training sequences."""
     from safetensors import safe_open
 
     from .train_heads import held_out_sequences, previous_rows, shard_rows
@@ -129,9 +152,11 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
     held_seqs = held_out_sequences(seq_base[-1], cfg.holdout_fraction, cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     per_shard = cfg.rows // len(shards) + 1
-    parts = []
+    parts, counts = [], torch.zeros(0, dtype=torch.long)
     for path, (keep, seq, _), base in zip(shards, plans, seq_base):
         with safe_open(path, "pt") as f:
+            trained = f.get_tensor("teacher_top1")[keep][~torch.isin(seq + base, held_seqs)].long()
+            counts = _add_counts(counts, torch.bincount(trained))
             token, match = shard_candidates(f, keep, cfg.copy_max)
             rows = (keep & (match > 0)).nonzero()[:, 0]
             rows = rows[torch.randperm(len(rows), generator=g)[:per_shard]].sort().values
@@ -146,7 +171,13 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
     if held.all() or not held.any():
         raise SystemExit(f"{int((~held).sum())} training and {int(held.sum())} held-out rows with a copy candidate "
                          f"in {cfg.data_dir!r}: need both; collect more text or change --holdout-fraction.")
-    return {"train": {k: v[~held] for k, v in rows.items()}, "held": {k: v[held] for k, v in rows.items()}}
+    return {"train": {k: v[~held] for k, v in rows.items()}, "held": {k: v[held] for k, v in rows.items()},
+            "counts": counts}
+
+
+def _add_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    n = max(len(a), len(b))
+    return torch.nn.functional.pad(a, (0, n - len(a))) + torch.nn.functional.pad(b, (0, n - len(b)))
 
 
 @torch.no_grad()
@@ -210,13 +241,22 @@ def main(argv=None) -> int:
     from selfspec.models import resolve_model
 
     t0 = time.perf_counter()
-    model, _ = resolve_model(cfg.model or "smollm2-135m", dtype=cfg.dtype)
+    model, tok = resolve_model(cfg.model or "smollm2-135m", dtype=cfg.dtype)
     model.eval().requires_grad_(False)
     selfspec.wrap(model, cfg.heads)
     engine = model.selfspec
     exit_layer = cfg.exit_layer if cfg.exit_layer is not None else engine.config.exit_layer
     head = copy_head_from(engine.head_for(exit_layer), cfg.copy_max)
     rows = load_copy_rows(cfg, exit_layer, head.reads_top)
+    counts = rows.pop("counts")
+    if cfg.draft_vocab_size:
+        from selfspec.tools.measure import eos_ids_of
+
+        counts = torch.nn.functional.pad(counts, (0, engine.adapter.vocab_size - len(counts)))
+        vocab_ids = smaller_vocab(head.vocab_ids, counts, cfg.draft_vocab_size, eos_ids_of(model, tok))
+        head = copy_head_from(head, cfg.copy_max, vocab_ids.to(head.norm.weight.device))
+        print(f"draft vocabulary cut to {len(vocab_ids)} tokens: {float(counts[vocab_ids].sum() / counts.sum()):.1%}"
+              f" of the training rows' next tokens")
     scores = {k: frozen_scores(head, engine.adapter, v) for k, v in rows.items()}
     print(f"{len(scores['train']['own'])} training rows, {len(scores['held']['own'])} held-out rows with a "
           f"candidate ({time.perf_counter() - t0:.0f} s)")
@@ -244,6 +284,7 @@ def main(argv=None) -> int:
     engine.add_head(head)
     engine.save_pretrained(cfg.out_dir)
     report = {"config": asdict(cfg), "exit_layer": exit_layer, "copy_bias": head.copy_bias.tolist(),
+              "draft_vocab_size": None if head.vocab_ids is None else len(head.vocab_ids),
               "held_out_rows_with_candidate": len(scores["held"]["own"]),
               "train_loss_before": loss_before, "train_loss_after": loss_after,
               "held_out_agreement_plain_head": before, "held_out_agreement_copy_head": after,
