@@ -405,3 +405,28 @@ def test_a_top_reading_head_calibrates(tmp_path):
         assert result.report["all_outputs_match_plain"] and result.report["counts"]["measured"] >= 2
     finally:
         selfspec.unwrap(model)
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_every_kind_of_drafting_gets_trials(balance):
+    """Where one kind wins by far (here hybrid), TPE alone spends nearly every trial on it, and the chain's and the
+    tree's bests (what bench runs for them) come from a trial or two; with balance_kinds every other trial goes to
+    the kind with the fewest. The objective stands in for timing only: what is tested is the search's choices."""
+    from selfspec.tools.calibrate.space import suggest, tree_key
+    from selfspec.tools.calibrate.study import BalanceKinds
+
+    spec = SearchSpec.from_dict({"space": {"drafter": ["early_exit", "ngram", "hybrid"], "exit_layer": [1, 2],
+                                           "draft_tree_top_k": [1, 2, 3]}})
+    space = resolve_space(spec, 4, [1, 2], DRAFTER_FACTORIES)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=5))
+
+    def landscape(trial):
+        params = suggest(trial, space)
+        return (100.0 if params["drafter"] == "hybrid" else 10.0) + params["max_draft_tokens"]
+
+    study.optimize(landscape, n_trials=40, callbacks=[BalanceKinds(space)] if balance else [])
+    count = {k: sum(tree_key(t.params) == k for t in study.trials) for k in ("early_exit", "early_exit-tree",
+                                                                            "ngram", "hybrid")}
+    fewest = min(count.values())
+    assert (fewest >= 5) == balance, count

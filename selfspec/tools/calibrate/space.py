@@ -58,6 +58,10 @@ class StrategySpec:
     min_measured: int = 3  # no pruning before this many measured trials
     final_candidates: int = 3  # best measured settings re-timed against plain generate at the end
     final_rounds: int = 2  # interleaved rounds of that re-timing
+    # every other trial goes to the kind of drafting (chain, tree, each other drafter) with the fewest trials so
+    # far, so that each kind's best (per_drafter: what bench runs per method) comes from more than a few trials;
+    # TPE alone spends nearly all on the leading kind
+    balance_kinds: bool = True
 
 
 @dataclass
@@ -285,6 +289,29 @@ def trial_config(base: SelfSpecConfig, params: dict) -> SelfSpecConfig:
     if config.ngram_min > config.ngram_max:
         config = config.replace(ngram_min=config.ngram_max)
     return config
+
+
+def kinds(space: SearchSpace) -> list[str]:
+    """The kinds of drafting the space holds, as tree_key names them: each drafter, and early_exit's trees apart
+    from its chains when the space has both."""
+    out = []
+    for drafter in space.drafters:
+        if drafter == "early_exit" and space.searches_trees:
+            out += ["early_exit"] * (1 in space.tree_top_k) + ["early_exit-tree"]
+        elif drafter != "none":
+            out.append(drafter)
+    return out
+
+
+def kind_params(kind: str, space: SearchSpace, turn: int) -> dict:
+    """The params that fix a trial to one kind (the sampler chooses the rest); trees cycle through the space's
+    widths with `turn`."""
+    if kind == "early_exit-tree":
+        widths = [t for t in space.tree_top_k if t > 1]
+        return {"drafter": "early_exit", "draft_tree_top_k": widths[turn % len(widths)]}
+    if kind == "early_exit" and space.searches_trees:
+        return {"drafter": "early_exit", "draft_tree_top_k": 1}
+    return {"drafter": kind}
 
 
 def tree_key(params: dict) -> str:

@@ -17,8 +17,8 @@ from ..measure import environment as measure_environment
 from ..measure import model_identity
 from .predictor import MODELLED_DRAFTERS, Predictor, build_predictor
 from .report import REPORT_NAME, build_report, save_result
-from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, resolve_space, suggest,
-                    trial_config, tree_key)
+from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, kind_params, kinds,
+                    resolve_space, suggest, trial_config, tree_key)
 from ..verdict import DIFFERS, NEAR_TIE, PlainLogits, verify_chunk
 from .trials import Measurement, exactness, generate_once, pad_id_of, time_generation, time_setting
 
@@ -180,6 +180,31 @@ def enqueue_predicted(study, predictor: Predictor | None, space: SearchSpace, to
         log(f"enqueued {len(fresh)} trials: " + "; ".join(describe(p) for p in fresh))
 
 
+class BalanceKinds:
+    """After every second trial, with nothing queued, queue one of the kind of drafting with the fewest trials
+    (measured or pruned) so far, its other params left to the sampler. The trials between stay TPE's."""
+
+    def __init__(self, space: SearchSpace, budget: "_Budget | None" = None):
+        self.space, self.budget, self.turn = space, budget, 0
+
+    def __call__(self, study, trial) -> None:
+        import optuna
+
+        names = kinds(self.space)
+        done = study.get_trials(deepcopy=False)
+        if (len(names) < 2 or trial.number % 2 == 0 or (self.budget is not None and self.budget.spent())
+                or any(t.state == optuna.trial.TrialState.WAITING for t in done)):
+            return  # (a trial queued after the last would wait in the storage for the next run)
+        finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        count = {name: 0 for name in names}
+        for t in done:
+            if t.state in finished and tree_key(t.params) in count:
+                count[tree_key(t.params)] += 1
+        fewest = min(names, key=lambda name: count[name])  # ties: the space's order
+        study.enqueue_trial(kind_params(fewest, self.space, self.turn), user_attrs={"enqueued_by": "balance"})
+        self.turn += 1
+
+
 def _nearest(values: list[int], target: int) -> int:
     return min(values, key=lambda v: (abs(v - target), v))
 
@@ -194,10 +219,12 @@ class _Budget:
 
     def __call__(self, study, trial) -> None:
         self.started += 1
-        if self.trials is None:
-            return
-        if self.session.measured_this_run >= self.trials or self.started >= 10 * self.trials + 20:
+        if self.spent():
             study.stop()
+
+    def spent(self) -> bool:
+        return self.trials is not None and (self.session.measured_this_run >= self.trials
+                                            or self.started >= 10 * self.trials + 20)
 
 
 def top_settings(study, count: int) -> list:
@@ -319,7 +346,9 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     session = _prepare_session(model, base, prompts, space, spec, log)
     _set_study_attrs(study, session, spec, space)
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
-    study.optimize(session.objective, timeout=timeout, callbacks=[_Budget(session, trials)],
+    budget = _Budget(session, trials)
+    callbacks = [budget] + [BalanceKinds(space, budget)] * spec.search.balance_kinds
+    study.optimize(session.objective, timeout=timeout, callbacks=callbacks,
                    catch=(torch.cuda.OutOfMemoryError,) if torch.cuda.is_available() else ())
     return _finish(model, study, session, base, storage, output, identity, log)
 
