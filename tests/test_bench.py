@@ -236,6 +236,27 @@ def test_heads_dir_feeds_the_selfspec_method(model, tmp_path):
     assert "trees of top-4, 16 nodes" in res.setup["engine_settings"]["selfspec-tree"]
 
 
+def test_chain_methods_draft_chains_when_the_calibrated_winner_is_a_tree(model, tmp_path):
+    """A calibration won by a tree saves a config that grows trees; the hybrid's and the chain's per_drafter entries
+    said nothing of trees (older studies did not record draft_tree_top_k), and the hybrid then inherited the
+    winner's tree. Methods other than selfspec-tree draft chains, as they were measured."""
+    from selfspec.heads import MLPHead
+
+    per = {"hybrid": {"drafter": "hybrid", "exit_layer": 3, "max_draft_tokens": 3, "hybrid_min_match": 2},
+           "early_exit": {"drafter": "early_exit", "exit_layer": 3, "max_draft_tokens": 2}}
+    selfspec.wrap(model, exit_layer=3, max_draft_tokens=3, draft_tree_top_k=3, draft_tree_size=6,
+                  metadata={"calibration": {"per_drafter": per}})
+    model.selfspec.add_head(MLPHead(3, 32))
+    model.selfspec.save_pretrained(str(tmp_path / "heads"))
+    selfspec.unwrap(model)
+    res = _run(model, methods=("hf-greedy", "selfspec", "selfspec-hybrid", "selfspec-tree"),
+               heads=str(tmp_path / "heads"), exit_layer=None, max_draft_tokens=None)
+    settings = res.setup["engine_settings"]
+    assert "trees" not in settings["selfspec"] and "trees" not in settings["selfspec-hybrid"], settings
+    assert "min match 2" in settings["selfspec-hybrid"] and "trees of" in settings["selfspec-tree"]
+    assert not res.mismatches
+
+
 def test_sampling_mode_reports_speed_not_exactness(model):
     res = _run(model, methods=("hf-greedy", "selfspec-untrained", "oracle"), sample=True, temperature=0.8)
     assert all(r.exact is None for r in res.records)

@@ -345,12 +345,15 @@ class Harness:
         """The config of an engine method: each drafter at the best setting the calibrator measured for it
         (`metadata.calibration.per_drafter`), unless the command line fixed E or K. Settings found with trained
         heads are not given to the untrained head; the n-gram drafter has no heads and takes its own. A tree
-        method takes the drafter's calibrated tree (key "<drafter>-tree"), else its chain's with DEFAULT_TREE."""
+        method takes the drafter's calibrated tree (key "<drafter>-tree"), else its chain's with DEFAULT_TREE; every
+        other method drafts chains."""
         config = self.base_config if trained else SelfSpecConfig(
             exit_layer=self.base_config.exit_layer, max_draft_tokens=self.base_config.max_draft_tokens)
         tuned = dict(self.per_drafter.get(drafter, {})) if (trained or drafter == "ngram") else {}
         if tree:
             tuned = dict(self.per_drafter.get(f"{drafter}-tree") or {**tuned, **DEFAULT_TREE})
+        else:  # a chain method drafts chains even where the config it starts from (the calibrated winner) grows trees
+            tuned["draft_tree_top_k"] = 1
         if drafter == "oracle" and self.oracle_k is not None:
             tuned["max_draft_tokens"] = self.oracle_k
         for fixed, key in ((self.cfg.exit_layer, "exit_layer"), (self.cfg.max_draft_tokens, "max_draft_tokens")):

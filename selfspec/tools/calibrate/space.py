@@ -276,9 +276,12 @@ def _suggest_from(trial, name: str, values: list[int]) -> int:
 
 def effective_params(params: dict) -> dict:
     """A trial's params as the engine runs them: Optuna's stepped floats without their binary noise
-    (0.35000000000000003), and a tree's size raised to its depth K (a tree as deep as K needs K nodes). What
-    per_drafter records, so that the bench runs the very setting that was measured."""
+    (0.35000000000000003), a tree's size raised to its depth K (a tree as deep as K needs K nodes), and a chain
+    said to be one (draft_tree_top_k=1; the base config may grow trees). What per_drafter records, so that the
+    bench runs the very setting that was measured."""
     out = {k: round(v, 10) if isinstance(v, float) else v for k, v in params.items()}
+    # trees are searched for early_exit only: every other trial is a chain, whatever the base config grows
+    out.setdefault("draft_tree_top_k", 1)
     if out.get("draft_tree_top_k", 1) > 1 and out.get("draft_tree_size", 0) < out.get("max_draft_tokens", 0):
         out["draft_tree_size"] = out["max_draft_tokens"]
     return out
