@@ -431,3 +431,22 @@ def test_every_kind_of_drafting_gets_trials(balance):
                                                                             "ngram", "hybrid")}
     fewest = min(count.values())
     assert (fewest >= 5) == balance, count
+
+
+def test_a_recalibration_measures_the_previous_bests_again(tmp_path):
+    """The per_drafter bests recorded in the heads' config are enqueued and measured again (those the space can
+    suggest: here the hybrid's exit layer is outside it), so a study over new heads starts from what won before."""
+    model = make_model("llama", 4, agreeable=False)
+    before = {"early_exit": {"drafter": "early_exit", "exit_layer": 2, "max_draft_tokens": 3,
+                             "draft_confidence_threshold": 0.0, "draft_tree_top_k": 1},
+              "hybrid": {"drafter": "hybrid", "exit_layer": 3, "max_draft_tokens": 2}}
+    selfspec.wrap(model, exit_layer=2, metadata={"calibration": {"per_drafter": before}})
+    lines = []
+    spec = _spec(exit_layer=[1, 2], drafter=["early_exit", "hybrid"])
+    spec.search.enqueue_top = 1
+    result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=3, log=lines.append)
+    assert any(line.startswith("enqueued 1 previous best(s): early_exit E=2 K=3") for line in lines), lines
+    again = [t for t in result.report["trials"] if t.get("enqueued_by") == "previous_calibration"]
+    assert len(again) == 1 and again[0]["measured"], again
+    assert {k: again[0]["params"][k] for k in ("exit_layer", "max_draft_tokens")} == {"exit_layer": 2,
+                                                                                      "max_draft_tokens": 3}

@@ -317,6 +317,23 @@ def kind_params(kind: str, space: SearchSpace, turn: int) -> dict:
     return {"drafter": kind}
 
 
+def in_space(params: dict, space: SearchSpace) -> bool:
+    """Whether a recorded setting (a per_drafter entry) is one the space can suggest: its drafter, and every knob
+    the space searches for that drafter, within the space's values."""
+    if params.get("drafter") not in space.drafters:
+        return False
+    allowed = {"max_draft_tokens": space.max_draft_tokens, "ngram_max": space.ngram_max,
+               "hybrid_min_match": space.hybrid_min_match, "hybrid_extend": space.hybrid_extend,
+               "hybrid_fallback": space.hybrid_fallback, "draft_tree_top_k": space.tree_top_k,
+               "draft_tree_size": space.tree_sizes}
+    if params["drafter"] in EXIT_DRAFTERS:
+        allowed["exit_layer"] = space.exit_layers
+        lo, hi, _ = space.thresholds
+        if not lo - 1e-9 <= params.get("draft_confidence_threshold", lo) <= hi + 1e-9:
+            return False
+    return all(params[k] in values for k, values in allowed.items() if k in params)
+
+
 def tree_key(params: dict) -> str:
     """The name a setting's best is recorded under in per_drafter: the drafter, "-tree" for draft trees."""
     return params.get("drafter", "early_exit") + ("-tree" if params.get("draft_tree_top_k", 1) > 1 else "")

@@ -17,8 +17,8 @@ from ..measure import environment as measure_environment
 from ..measure import model_identity
 from .predictor import MODELLED_DRAFTERS, Predictor, build_predictor
 from .report import REPORT_NAME, build_report, save_result
-from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, kind_params, kinds,
-                    resolve_space, suggest, trial_config, tree_key)
+from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, in_space, kind_params,
+                    kinds, resolve_space, suggest, trial_config, tree_key)
 from ..verdict import DIFFERS, NEAR_TIE, PlainLogits, verify_chunk
 from .trials import Measurement, exactness, generate_once, pad_id_of, time_generation, time_setting
 
@@ -178,6 +178,24 @@ def enqueue_predicted(study, predictor: Predictor | None, space: SearchSpace, to
         study.enqueue_trial(params, user_attrs={"enqueued_by": "cost_model"})
     if fresh:
         log(f"enqueued {len(fresh)} trials: " + "; ".join(describe(p) for p in fresh))
+
+
+def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log) -> None:
+    """The bests of the calibration the heads' config came from (its per_drafter), measured again: a study over
+    new heads or on another day starts from what won before instead of hoping TPE finds it (on calibration
+    prompts the top settings often lie within the timer's noise of each other). Entries outside the space are
+    skipped."""
+    previous = base.metadata.get("calibration", {}).get("per_drafter", {})
+    seen = [t.params for t in study.get_trials(deepcopy=False)]
+    fresh = []
+    for params in previous.values():
+        params = {k: v for k, v in params.items() if k != "draft_tree_size" or params.get("draft_tree_top_k", 1) > 1}
+        if in_space(params, space) and params not in seen and params not in fresh:
+            fresh.append(params)
+    for params in fresh:
+        study.enqueue_trial(params, user_attrs={"enqueued_by": "previous_calibration"})
+    if fresh:
+        log(f"enqueued {len(fresh)} previous best(s): " + "; ".join(describe(p) for p in fresh))
 
 
 class BalanceKinds:
@@ -346,6 +364,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     session = _prepare_session(model, base, prompts, space, spec, log)
     _set_study_attrs(study, session, spec, space)
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
+    enqueue_previous(study, base, space, log)
     budget = _Budget(session, trials)
     callbacks = [budget] + [BalanceKinds(space, budget)] * spec.search.balance_kinds
     study.optimize(session.objective, timeout=timeout, callbacks=callbacks,
