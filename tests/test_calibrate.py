@@ -450,3 +450,19 @@ def test_a_recalibration_measures_the_previous_bests_again(tmp_path):
     assert len(again) == 1 and again[0]["measured"], again
     assert {k: again[0]["params"][k] for k in ("exit_layer", "max_draft_tokens")} == {"exit_layer": 2,
                                                                                       "max_draft_tokens": 3}
+
+
+def test_tree_replay_keeps_only_what_the_size_holds():
+    """Top-4 children of the root fill a 4-node tree: nothing lies deeper, so even a head always right accepts one
+    draft a step (the replay once grew a level beyond the size and predicted 2.4 tokens a step for such trees,
+    against 1.9 measured); with room for 2 leaves, a child ranked third is not kept."""
+    n, k = 30, 5
+    eos = [[False] * n]
+    sure = cost_model.LayerAcceptance(2, agree=[[True] * n], conf=[[1.0] * n], rank=[[0] * n])
+    full = cost_model.simulate_tree(sure, eos, k, 4, 4, 0.0, max_new_tokens=n)
+    assert full.accepted <= full.steps + 1, full  # +1: the last, budget-cut step
+    third = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.3] * n], rank=[[2] * n])
+    widths, nodes = cost_model.tree_shape(2, 3, 5)  # 3 run at depth 1, 2 leaves at depth 2
+    assert (widths, nodes) == ([1, 3], 5)
+    two = cost_model.simulate_tree(third, eos, 2, 3, 5, 0.0, max_new_tokens=n)
+    assert two.accepted <= two.steps + 1, two

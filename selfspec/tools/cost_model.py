@@ -291,10 +291,12 @@ def tree_shape(depth: int, top_k: int, size: int) -> tuple[list[int], int]:
 
 
 def _tree_block(rank, conf, start: int, k: int, top_k: int, size: int, threshold: float, eos) -> tuple:
-    """One tree step from answer token `start`, approximated along the answer's own path: the node at depth d
-    exists when the head ranks its token below top_k and its parent was among the widths[d - 1] nodes expanded
-    (taken as: ranked below that width); growth stops where the path's product of top probabilities falls below
-    the threshold. Returns (level widths run, nodes drafted, accepted)."""
+    """One tree step from answer token `start`, approximated along the answer's own path. The node at depth d
+    exists when its parent was run (expanded) and it is among what the budget keeps of the parent's children:
+    at a run level d, one of the widths[d] nodes run (taken as: the head ranks it below widths[d]); at the last
+    level, one of the size - run leaves (ranked below that and top_k; none when the run nodes used the whole
+    size). Growth stops where the path's product of top probabilities falls below the threshold. Returns (level
+    widths run, nodes drafted, accepted)."""
     widths, nodes = tree_shape(k, top_k, size)
     sure = 1.0
     if threshold > 0:  # levels whose best node is below the threshold are not grown (nor anything under them)
@@ -303,10 +305,12 @@ def _tree_block(rank, conf, start: int, k: int, top_k: int, size: int, threshold
             if sure < threshold:
                 widths = widths[:d]
                 break
+    leaf_slots = nodes - sum(widths[1:])
     accepted = 0
-    for d in range(1, len(widths) + 1):  # a tree whose growth stopped at level d holds nodes down to depth d
+    for d in range(1, len(widths) + 1):
         i = start + d - 1
-        if rank[i] >= top_k or (d > 1 and rank[i - 1] >= widths[d - 1]):
+        kept = widths[d] if d < len(widths) else min(top_k, leaf_slots)
+        if rank[i] >= kept:
             break
         accepted = d
         if eos[i]:
