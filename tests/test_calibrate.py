@@ -357,7 +357,7 @@ def test_tree_shape_is_what_the_drafter_grows(monkeypatch, k, top_k, size):
 def test_tree_replay_with_a_sure_head_accepts_the_whole_depth():
     """A head whose top choice is always right: a tree accepts as much as the chain, drafting its whole shape."""
     n, k = 30, 4
-    sure = cost_model.LayerAcceptance(2, agree=[[True] * n], conf=[[1.0] * n], rank=[[0] * n])
+    sure = cost_model.LayerAcceptance(2, agree=[[True] * n], conf=[[1.0] * n], rank=[[0] * n], prob=[[1.0] * n])
     eos = [[False] * n]
     chain = cost_model.simulate(sure, eos, k, 0.0, max_new_tokens=n)
     tree = cost_model.simulate_tree(sure, eos, k, 3, 10, 0.0, max_new_tokens=n)
@@ -365,13 +365,17 @@ def test_tree_replay_with_a_sure_head_accepts_the_whole_depth():
     widths, nodes = cost_model.tree_shape(k, 3, 10)
     assert tree.verify_width[nodes + 1] >= tree.steps - 2  # all but the budget-cut last steps draft the whole tree
     # the answer's token always second in the head's ranking: a chain gets nothing, a tree with 2 children all
-    second = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.5] * n], rank=[[1] * n])
+    second = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.5] * n], rank=[[1] * n],
+                                        prob=[[0.4] * n])
     assert cost_model.simulate_tree(second, eos, k, 2, 8, 0.0, max_new_tokens=n).accepted == chain.accepted
     assert cost_model.simulate(second, eos, k, 0.0, max_new_tokens=n).accepted == 0
-    # a threshold the head's 0.5 reaches once but not twice stops growth after one run level: the tree holds
-    # nodes down to depth 2 only, so no step accepts more than 2
+    # a threshold the head's 0.5 reaches once but not twice stops growth after one run level; the tree's leaves
+    # at depth 2 would hold the answer's token, but its path's probability (0.4 x 0.4) is below the threshold,
+    # so the grower leaves them out: one draft a step at most (without that rule: two)
     stopped = cost_model.simulate_tree(second, eos, k, 2, 8, 0.3, max_new_tokens=n)
-    assert stopped.steps < stopped.accepted <= 2 * stopped.steps, stopped
+    assert stopped.accepted <= stopped.steps + 1, stopped
+    loose = cost_model.simulate_tree(second, eos, k, 2, 8, 0.15, max_new_tokens=n)  # 0.16 reaches 0.15
+    assert loose.steps < loose.accepted <= 2 * loose.steps + 2, loose
 
 
 def test_a_study_refuses_other_heads_at_the_same_layers(tmp_path):
@@ -458,10 +462,11 @@ def test_tree_replay_keeps_only_what_the_size_holds():
     against 1.9 measured); with room for 2 leaves, a child ranked third is not kept."""
     n, k = 30, 5
     eos = [[False] * n]
-    sure = cost_model.LayerAcceptance(2, agree=[[True] * n], conf=[[1.0] * n], rank=[[0] * n])
+    sure = cost_model.LayerAcceptance(2, agree=[[True] * n], conf=[[1.0] * n], rank=[[0] * n], prob=[[1.0] * n])
     full = cost_model.simulate_tree(sure, eos, k, 4, 4, 0.0, max_new_tokens=n)
     assert full.accepted <= full.steps + 1, full  # +1: the last, budget-cut step
-    third = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.3] * n], rank=[[2] * n])
+    third = cost_model.LayerAcceptance(2, agree=[[False] * n], conf=[[0.3] * n], rank=[[2] * n],
+                                       prob=[[0.2] * n])
     widths, nodes = cost_model.tree_shape(2, 3, 5)  # 3 run at depth 1, 2 leaves at depth 2
     assert (widths, nodes) == ([1, 3], 5)
     two = cost_model.simulate_tree(third, eos, 2, 3, 5, 0.0, max_new_tokens=n)

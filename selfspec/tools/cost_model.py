@@ -47,6 +47,9 @@ class LayerAcceptance:
     # [sequence][i]: tokens the head finds likelier than answer token i (0 = its top choice; a token outside a
     # draft vocabulary gets the vocabulary's size): a tree with top_k children holds it when rank < top_k
     rank: list[list[int]] = field(default_factory=list)
+    # [sequence][i]: the head's probability of answer token i (0 outside its draft vocabulary): a tree with a
+    # threshold keeps a leaf only while the product of these along its path reaches it
+    prob: list[list[float]] = field(default_factory=list)
 
     @property
     def agreement(self) -> float:
@@ -69,7 +72,8 @@ class LayerAcceptance:
 
 
 def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice, answer: torch.Tensor):
-    """Draft token ids (N,), the head's top probability (N,) and the rank of each answer token (N,) at the `rows`
+    """Draft token ids (N,), the head's top probability (N,), the rank of each answer token (N,) and its
+    probability (N,) at the `rows`
     of a text `ids` (1, T) whose hidden states (HF's tuple: embeddings, each layer's output, the last one
     final-normed) are given; answer (N,) holds the tokens the full model emitted there."""
     head = engine.head_for(exit_layer)
@@ -86,7 +90,7 @@ def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice
         column = lookup[column]
     p_answer = probs.gather(1, column.clamp(min=0)[:, None])
     rank = (probs > p_answer).sum(-1).masked_fill(column < 0, probs.shape[-1])
-    return (idx if vocab_ids is None else head.token_ids(idx)), conf, rank
+    return (idx if vocab_ids is None else head.token_ids(idx)), conf, rank, p_answer[:, 0].masked_fill(column < 0, 0.0)
 
 
 @torch.no_grad()
@@ -100,10 +104,11 @@ def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]
         states = model(ids, output_hidden_states=True).hidden_states  # L + 1 of (1, P + N, H)
         for e in exit_layers:
             # position P - 1 + i predicts answer token i; hidden_states[e] is the input of layer e
-            tokens, conf, rank = _head_drafts(engine, e, states, ids, slice(p - 1, p - 1 + n), seq.answer)
+            tokens, conf, rank, prob = _head_drafts(engine, e, states, ids, slice(p - 1, p - 1 + n), seq.answer)
             out[e].agree.append((tokens.cpu() == seq.answer.cpu()).tolist())
             out[e].conf.append(conf.cpu().tolist())
             out[e].rank.append(rank.cpu().tolist())
+            out[e].prob.append(prob.cpu().tolist())
     return out
 
 
@@ -290,13 +295,14 @@ def tree_shape(depth: int, top_k: int, size: int) -> tuple[list[int], int]:
     return widths, run + min(size - run, leaves)
 
 
-def _tree_block(rank, conf, start: int, k: int, top_k: int, size: int, threshold: float, eos) -> tuple:
+def _tree_block(rank, conf, prob, start: int, k: int, top_k: int, size: int, threshold: float, eos) -> tuple:
     """One tree step from answer token `start`, approximated along the answer's own path. The node at depth d
     exists when its parent was run (expanded) and it is among what the budget keeps of the parent's children:
     at a run level d, one of the widths[d] nodes run (taken as: the head ranks it below widths[d]); at the last
     level, one of the size - run leaves (ranked below that and top_k; none when the run nodes used the whole
-    size). Growth stops where the path's product of top probabilities falls below the threshold. Returns (level
-    widths run, nodes drafted, accepted)."""
+    size), and with a threshold only while the product of the path's probabilities (`prob`) reaches it, as the
+    grower leaves out leaves below it. Growth stops where the path's product of top probabilities falls below
+    the threshold. Returns (level widths run, nodes drafted, accepted)."""
     widths, nodes = tree_shape(k, top_k, size)
     sure = 1.0
     if threshold > 0:  # levels whose best node is below the threshold are not grown (nor anything under them)
@@ -306,11 +312,12 @@ def _tree_block(rank, conf, start: int, k: int, top_k: int, size: int, threshold
                 widths = widths[:d]
                 break
     leaf_slots = nodes - sum(widths[1:])
-    accepted = 0
+    accepted, path = 0, 1.0
     for d in range(1, len(widths) + 1):
         i = start + d - 1
+        path *= prob[i]
         kept = widths[d] if d < len(widths) else min(top_k, leaf_slots)
-        if rank[i] >= kept:
+        if rank[i] >= kept or (d == len(widths) and path < threshold):
             break
         accepted = d
         if eos[i]:
@@ -323,10 +330,10 @@ def simulate_tree(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, top_k
     """Replay the greedy loop (replay.replay_greedy) with draft trees of the given shape: level passes of
     widths[d] tokens through [0, E) and the head, then one verify pass over the root and every node."""
     c = Counts()
-    for rank, conf, is_eos in zip(acc.rank, acc.conf, eos):
+    for rank, conf, prob, is_eos in zip(acc.rank, acc.conf, acc.prob, eos):
 
         def step(done: int, k: int) -> int:
-            widths, nodes, accepted = _tree_block(rank, conf, done, k, top_k, size, threshold, is_eos)
+            widths, nodes, accepted = _tree_block(rank, conf, prob, done, k, top_k, size, threshold, is_eos)
             for w in widths:
                 c.draft_width[w] = c.draft_width.get(w, 0) + 1
             c.fresh_early += nodes + 1 - sum(widths)
