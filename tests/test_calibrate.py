@@ -374,6 +374,8 @@ def test_tree_replay_with_a_sure_head_accepts_the_whole_depth():
     # so the grower leaves them out: one draft a step at most (without that rule: two)
     stopped = cost_model.simulate_tree(second, eos, k, 2, 8, 0.3, max_new_tokens=n)
     assert stopped.accepted <= stopped.steps + 1, stopped
+    # and the verifier sees the 2 run nodes and the root only (all but the budget-cut last steps)
+    assert stopped.verify_width.get(3, 0) >= stopped.steps - 2, stopped
     loose = cost_model.simulate_tree(second, eos, k, 2, 8, 0.15, max_new_tokens=n)  # 0.16 reaches 0.15
     assert loose.steps < loose.accepted <= 2 * loose.steps + 2, loose
 

@@ -308,8 +308,8 @@ def _tree_block(rank, conf, prob, start: int, k: int, top_k: int, size: int, thr
     if threshold > 0:  # levels whose best node is below the threshold are not grown (nor anything under them)
         for d in range(1, len(widths)):
             sure *= conf[min(start + d - 1, len(conf) - 1)]
-            if sure < threshold:
-                widths = widths[:d]
+            if sure < threshold:  # nothing at depth d reaches it: none is run, nor kept as a leaf
+                widths, nodes = widths[:d], sum(widths[1:d])
                 break
     leaf_slots = nodes - sum(widths[1:])
     accepted, path = 0, 1.0
