@@ -28,19 +28,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    """Rank correlation (ties broken by order, enough for a report)."""
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        out = [0] * len(x)
-        for r, i in enumerate(order):
-            out[i] = r
-        return out
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else float("nan")
-
-
 @torch.no_grad()
 def main(argv=None) -> None:
     args = parse_args(argv)
@@ -55,6 +42,7 @@ def main(argv=None) -> None:
     from selfspec.tools.calibrate.predictor import build_predictor
     from selfspec.tools.calibrate.space import describe
     from selfspec.tools.calibrate.trials import encode_prompts, load_calibration_texts, time_generation
+    from selfspec.tools.measure import spearman
 
     model, tok = resolve_model(args.model, dtype="auto")
     selfspec.wrap(model, args.heads)
@@ -80,7 +68,8 @@ def main(argv=None) -> None:
         if part:
             rho = spearman([r[1].tokens_per_s for r in part], [r[3] for r in part])
             ratio = sum(r[1].mean_accepted_tokens / r[2] for r in part) / len(part)
-            print(f"{name}: {len(part)} trials, Spearman of tok/s {rho:.2f}, mean predicted/measured tokens a step "
+            rho = "undefined" if rho is None else f"{rho:.2f}"
+            print(f"{name}: {len(part)} trials, Spearman of tok/s {rho}, mean predicted/measured tokens a step "
                   f"{ratio:.3f}")
 
 

@@ -73,9 +73,8 @@ class LayerAcceptance:
 
 def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice, answer: torch.Tensor):
     """Draft token ids (N,), the head's top probability (N,), the rank of each answer token (N,) and its
-    probability (N,) at the `rows`
-    of a text `ids` (1, T) whose hidden states (HF's tuple: embeddings, each layer's output, the last one
-    final-normed) are given; answer (N,) holds the tokens the full model emitted there."""
+    probability (N,) at the `rows` of a text `ids` (1, T) whose hidden states (HF's tuple: embeddings, each layer's
+    output, the last one final-normed) are given; answer (N,) holds the tokens the full model emitted there."""
     head = engine.head_for(exit_layer)
     if head.copy_max:  # its candidates come from the text; its logits cover the full vocabulary
         logits, vocab_ids = teacher_forced_copy_logits(head, states, engine.adapter, ids, rows), None

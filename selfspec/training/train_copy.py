@@ -137,7 +137,7 @@ def shard_candidates(f, keep: torch.Tensor, copy_max: int) -> tuple[torch.Tensor
     return token, match
 
 
-def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
+def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool, vocab_size: int) -> dict:
     """{train, held}: dicts of (N, ...) tensors of sampled answer rows that have a candidate; counts: (V,) how often
     each token is the full model's next token on all answer rows of the training sequences."""
     from safetensors import safe_open
@@ -152,16 +152,16 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
     held_seqs = held_out_sequences(seq_base[-1], cfg.holdout_fraction, cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     per_shard = cfg.rows // len(shards) + 1
-    parts, counts = [], torch.zeros(0, dtype=torch.long)
+    parts, counts = [], torch.zeros(vocab_size, dtype=torch.long)
     for path, (keep, seq, _), base in zip(shards, plans, seq_base):
         with safe_open(path, "pt") as f:
-            trained = f.get_tensor("teacher_top1")[keep][~torch.isin(seq + base, held_seqs)].long()
-            counts = _add_counts(counts, torch.bincount(trained))
+            top1 = f.get_tensor("teacher_top1")
+            counts += torch.bincount(top1[keep][~torch.isin(seq + base, held_seqs)].long(), minlength=vocab_size)
             token, match = shard_candidates(f, keep, cfg.copy_max)
             rows = (keep & (match > 0)).nonzero()[:, 0]
             rows = rows[torch.randperm(len(rows), generator=g)[:per_shard]].sort().values
             held = torch.isin(seq[torch.searchsorted(keep.nonzero()[:, 0], rows)] + base, held_seqs)
-            part = {"early": f.get_tensor(f"hidden.{exit_layer}")[rows], "target": f.get_tensor("teacher_top1")[rows],
+            part = {"early": f.get_tensor(f"hidden.{exit_layer}")[rows], "target": top1[rows],
                     "token": token[rows], "match": match[rows], "held": held}
             if prev_top:  # the final states are read only for a head that reads them
                 part["prev"] = previous_rows(f.get_tensor("hidden.final"), f.get_tensor("seq_offsets"))[rows]
@@ -173,11 +173,6 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool) -> dict:
                          f"in {cfg.data_dir!r}: need both; collect more text or change --holdout-fraction.")
     return {"train": {k: v[~held] for k, v in rows.items()}, "held": {k: v[held] for k, v in rows.items()},
             "counts": counts}
-
-
-def _add_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    n = max(len(a), len(b))
-    return torch.nn.functional.pad(a, (0, n - len(a))) + torch.nn.functional.pad(b, (0, n - len(b)))
 
 
 @torch.no_grad()
@@ -247,12 +242,11 @@ def main(argv=None) -> int:
     engine = model.selfspec
     exit_layer = cfg.exit_layer if cfg.exit_layer is not None else engine.config.exit_layer
     head = copy_head_from(engine.head_for(exit_layer), cfg.copy_max)
-    rows = load_copy_rows(cfg, exit_layer, head.reads_top)
+    rows = load_copy_rows(cfg, exit_layer, head.reads_top, engine.adapter.vocab_size)
     counts = rows.pop("counts")
     if cfg.draft_vocab_size:
         from selfspec.tools.measure import eos_ids_of
 
-        counts = torch.nn.functional.pad(counts, (0, engine.adapter.vocab_size - len(counts)))
         vocab_ids = smaller_vocab(head.vocab_ids, counts, cfg.draft_vocab_size, eos_ids_of(model, tok))
         head = copy_head_from(head, cfg.copy_max, vocab_ids.to(head.norm.weight.device))
         print(f"draft vocabulary cut to {len(vocab_ids)} tokens: {float(counts[vocab_ids].sum() / counts.sum()):.1%}"

@@ -189,7 +189,6 @@ def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log) -> No
     seen = [t.params for t in study.get_trials(deepcopy=False)]
     fresh = []
     for params in previous.values():
-        params = {k: v for k, v in params.items() if k != "draft_tree_size" or params.get("draft_tree_top_k", 1) > 1}
         if in_space(params, space) and params not in seen and params not in fresh:
             fresh.append(params)
     for params in fresh:
