@@ -9,7 +9,7 @@ from ..cache import SpecCache
 from ..forward import forward_early, run_module
 from ..heads import ExitHead, draft_logits, full_vocab_logits
 from .base import Draft, Drafter, choose_draft
-from .ngram import _PAD, NgramDrafter, NgramProposal, continuation, copy_candidates, suffix_match
+from .ngram import _PAD, NgramDrafter, copy_candidates
 from .tree import grow_tree
 
 
@@ -18,12 +18,8 @@ class EarlyExitDrafter(Drafter):
     uses_early_layers = True
     drafts_trees = True
 
-    def __init__(self, head: ExitHead, confidence_threshold: float = 0.0, guess: bool = True):
+    def __init__(self, head: ExitHead, confidence_threshold: float = 0.0):
         self.head = head
-        # chains of a copy head: run the lookup's guesses of the inputs after the next one in the same pass
-        # (guess_inputs); False drafts one token a pass, with the same drafts
-        self.guess = guess
-        self.passes = self.guessed = 0  # chain draft passes so far, and drafts they confirmed from guesses
         self.exit_layer = head.exit_layer
         self.threshold = confidence_threshold
         self.head_cache: HeadCache | None = None
@@ -95,51 +91,22 @@ class EarlyExitDrafter(Drafter):
             draft = grow_tree(state, self.run_level(state), k, state.settings.tree_top_k, state.settings.tree_size,
                               self.threshold)
             return dataclasses.replace(draft, hidden_layer=self.exit_layer)
-        return self.chain(state, k)
-
-    def chain(self, state, k: int) -> Draft:
-        """A chain of up to k drafts, each the head's choice after the one before. A copy head's lookup also
-        guesses the inputs after the next one (`guess_inputs`), and one pass through layers [0, E) runs them all;
-        the head then drafts column by column and goes on while its draft is the guess that the next column was
-        run with, so a chain along a copied span costs one pass of the layers, not one per token, and drafts
-        exactly what one token a pass drafts. The first refuted guess ends the pass; the inputs after it leave
-        layers [0, E) and the head's state."""
-        x = state.pending  # (B,) the next input: the pending token, then the last draft
+        x = state.pending
         active = ~state.finished
         draft_len = torch.zeros_like(state.pending)
         hiddens, tokens, qs = [], [], []
-        j = 0  # drafts so far; inputs run so far (the pending token, then drafts 1 .. j - 1)
-        while j < k:
-            guesses = self.guess_inputs(state, j, k - j - 1)  # (B, g)
-            inputs = torch.cat([x[:, None], guesses], dim=1)
-            positions = state.pos[:, None] + j + torch.arange(inputs.shape[1], device=state.device)[None, :]
-            state.write_drafts(guesses, start=j)  # the processors' prefix of the columns after each guess
-            hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
-            logits_at = self.column_logits(state, hidden, positions, inputs)
-            go_on = True
-            for t in range(inputs.shape[1]):
-                token, probs, confident = choose_draft(state, logits_at(t), j, self.threshold)
-                take = active & confident
-                draft_len += take.long()
-                active = take & ~state.is_eos(token)  # nothing is drafted after an EOS
-                tokens.append(token)
-                if state.do_sample:
-                    qs.append(probs)
-                state.write_drafts(token[:, None], start=j)
-                j += 1
-                if j == k:
-                    break
-                confirmed = guesses[:, t] == token if t < guesses.shape[1] else torch.zeros_like(active)
-                # one transfer: whether any row drafts on, and whether every such row drafted the next guess
-                go_on, next_guess = torch.stack([active.any(), (confirmed | ~active).all()]).tolist()
-                if not go_on or not next_guess:
-                    break
-                self.guessed += 1
-            self.passes += 1
-            hiddens.append(hidden[:, : t + 1])
-            if t + 1 < inputs.shape[1]:
-                self._forget_inputs(state, j)
-            if j == k or not go_on:
+        for j in range(k):
+            h, logits = self.run(state, x[:, None], state.pos[:, None] + j)
+            hiddens.append(h)
+            token, probs, confident = choose_draft(state, logits, j, self.threshold)
+            take = active & confident
+            draft_len += take.long()
+            active = take & ~state.is_eos(token)  # nothing is drafted after an EOS
+            tokens.append(token)
+            if state.do_sample:
+                qs.append(probs)
+            state.write_drafts(token[:, None], start=j)
+            if j + 1 < k and not bool(active.any()):
                 break
             x = token
         width = int(draft_len.max())
@@ -147,50 +114,9 @@ class EarlyExitDrafter(Drafter):
             tokens=torch.stack(tokens[:width], dim=1) if width else tokens[0][:, None][:, :0],
             draft_len=draft_len,
             q=torch.stack(qs[:width], dim=1) if (qs and width) else None,
-            hidden=torch.cat(hiddens, dim=1)[:, : width + 1],
+            hidden=torch.cat(hiddens[: width + 1], dim=1),
             hidden_layer=self.exit_layer,
         )
-
-    def column_logits(self, state, hidden: torch.Tensor, positions: torch.Tensor, inputs: torch.Tensor):
-        """(B, T, H) layer-E states of a chain's next T inputs -> logits_at(t), the (B, V) draft logits after
-        input t, computed when asked and in order (a top-reading head reads the output it gave the input before),
-        so that the columns after a refuted guess cost nothing."""
-        if self.head_cache is not None:  # its cache takes every input at once (it never guesses: T = 1)
-            full = self.head_logits(state, hidden, positions, every=True, inputs=inputs)
-            return lambda t: full[:, t]
-        token = match = None
-        if self.copies is not None:
-            token, match = self.copies.candidates(state, inputs, None)  # (B, T): every input joins the path
-
-        def logits_at(t: int) -> torch.Tensor:
-            h = hidden[:, t : t + 1]
-            normed = (self.tops.normed(self.head, state.adapter, h, None) if self.tops is not None
-                      else self.head.normed(h, state.adapter))
-            copy = (None, None) if token is None else (token[:, t : t + 1], match[:, t : t + 1])
-            return draft_logits(self.head, state.adapter, normed, state.vocab_size, *copy)[:, 0]
-
-        return logits_at
-
-    def guess_inputs(self, state, drafted: int, most: int) -> torch.Tensor:
-        """(B, g <= most) guesses of the drafts after the next input: the continuation of the text's longest
-        suffix match, as the copy head's own lookup finds it (the text: verified tokens, then the `drafted`
-        drafts). Only a copy head guesses (it trusts its lookup, so its drafts confirm the guesses), and only one
-        without a cache of its own (that cache would have to forget the refuted guesses too)."""
-        if most <= 0 or not self.guess or self.copies is None or self.head_cache is not None:
-            return state.pending.new_zeros(state.batch, 0)
-        found = self.copies.continuation(state, drafted, most)
-        width = int(found.length.masked_fill(state.finished, 0).max())
-        return found.tokens[:, :width]
-
-    def _forget_inputs(self, state, kept: int) -> None:
-        """Keep the step's first `kept` inputs in layers [0, E) and in the head's state of the step. Mid-step
-        only those layers are past the verified prefix, so the shared cache's rollback cuts nothing else."""
-        base = state.ctx.cache.layer_length(state.adapter.num_layers - 1)
-        state.ctx.cache.rollback(base + kept)
-        if self.tops is not None:
-            self.tops.keep(kept)
-        if self.copies is not None:
-            self.copies.keep(kept)
 
 
 class TopStates:
@@ -212,10 +138,6 @@ class TopStates:
     def accepted(self, state, n: torch.Tensor) -> None:
         top = state.last_verify.top  # (B, k + 1, H): the step's inputs (after a tree, its path)
         self.start(top.gather(1, n.to(top.device)[:, None, None].expand(-1, 1, top.shape[-1]))[:, 0])
-
-    def keep(self, inputs: int) -> None:
-        """Forget all but the step's first `inputs` verify inputs (guesses the drafts did not confirm)."""
-        self.step = [torch.cat(self.step, dim=1)[:, :inputs]]
 
     def normed(self, head, adapter, hidden: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
         """(B, T, H) layer-E states of the step's next T verify inputs -> the head's (B, T, H) normed outputs,
@@ -252,19 +174,6 @@ class CopyPaths:
     def start(self) -> None:
         """A new step: its first input is the pending token (index 0), the last token of the verified text."""
         self.tokens = self.parent = None
-
-    def keep(self, inputs: int) -> None:
-        """Forget all but the step's first `inputs` verify inputs (guesses the drafts did not confirm)."""
-        self.tokens, self.parent = self.tokens[:, :inputs], self.parent[:, :inputs]
-
-    def continuation(self, state, drafted: int, most: int) -> NgramProposal:
-        """Up to `most` tokens after the most recent earlier occurrence of each row's longest suffix (n <= n_max)
-        of the text that ends with the step's next input (the verified text, then `drafted` drafts of a chain):
-        what the copy candidates of the inputs after it will be while the text keeps copying."""
-        text, last = self.lookup.text_of(state, drafted)
-        match, end = suffix_match(text, last, self.n_max, 1)
-        tokens, length = continuation(text, last, match, end, most)
-        return NgramProposal(tokens, length, match)
 
     def candidates(self, state, inputs: torch.Tensor, parents: torch.Tensor | None):
         """(B, T) the step's next verify inputs (parents: their parents' input indices, None: each follows the one

@@ -129,15 +129,14 @@ class NgramDrafter(Drafter):
         mask = state.mask
         self.prompt_pad = None if mask is None else (mask == 0)
 
-    def text_of(self, state, drafted: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L) tokens of every row up to the longest, padding replaced by _PAD; (B,) index of last tokens.
-        With `drafted`, each row's text goes on with that many drafts of this step (the sequence holds them)."""
-        length = max(state.lengths) + drafted  # host copy: no device sync
+    def text_of(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L) tokens of every row up to the longest, padding replaced by _PAD; (B,) index of last tokens."""
+        length = max(state.lengths)  # host copy: no device sync
         text = state.seq[:, :length]
         if self.prompt_pad is not None and bool(self.prompt_pad.any()):
             pad = torch.nn.functional.pad(self.prompt_pad, (0, length - self.prompt_pad.shape[1]), value=False)
             text = text.masked_fill(pad[:, :length], _PAD)
-        return text, state.seq_len - 1 + drafted
+        return text, state.seq_len - 1
 
     def lookup(self, state, k: int) -> NgramProposal:
         """The n-gram continuation for every row (length 0 for finished rows and rows without a match)."""
