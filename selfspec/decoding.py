@@ -185,6 +185,12 @@ def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_
         if draft.hidden.shape[1] > tokens.shape[1] + 1:
             raise ValueError(f"Drafter {name!r} handed over {draft.hidden.shape[1]} hidden states for "
                              f"{tokens.shape[1] + 1} verify inputs (the pending token and the drafts).")
+        cache, top = state.ctx.cache, state.adapter.num_layers - 1
+        ran = cache.layer_length(0) - cache.layer_length(top)  # host ints: no sync
+        if ran != draft.hidden.shape[1]:  # verification writes layers [0, E) of the inputs after them next
+            raise ValueError(f"Drafter {name!r} left {ran} inputs of this step in layers [0, {exit_layer}) of the "
+                             f"cache but handed over hidden states for {draft.hidden.shape[1]}: a drafter that runs "
+                             f"inputs it does not hand over must cut them (cache.rollback) before it returns.")
     if draft.parents is not None:
         _check_tree(state, name, draft)
     elif tokens.shape[1]:

@@ -101,3 +101,24 @@ def test_more_drafts_than_asked_are_refused(model):
             _plain(model, prompt(seed=1, length=6))
     finally:
         selfspec.unwrap(model)
+
+
+def test_inputs_left_in_the_early_layers_without_their_states_are_refused(model):
+    """A drafter that runs one more input through layers [0, E) than it hands over states for would make the
+    verifier write the next input's KV one slot late: the loop refuses it with one line that says what to cut."""
+    from selfspec.forward import forward_early
+
+    class RunsAheadDrafter(EarlyExitDrafter):
+        def propose(self, state, k):
+            draft = super().propose(state, k)
+            if draft.k:  # the first draft runs through [0, E) once more, and nothing hands its state over
+                forward_early(state.ctx, draft.tokens[:, :1], state.pos[:, None] + draft.hidden.shape[1], 2)
+            return draft
+
+    selfspec.wrap(model, drafter=RunsAheadDrafter(ExitHead(2)), exit_layer=2, max_draft_tokens=3)
+    try:
+        with pytest.raises(ValueError, match=r"left \d+ inputs of this step in layers \[0, 2\) of the cache but "
+                                             r"handed over hidden states for \d+"):
+            _plain(model, prompt(seed=1, length=6))
+    finally:
+        selfspec.unwrap(model)
