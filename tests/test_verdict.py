@@ -30,12 +30,12 @@ def bf16_smollm2():
         model, tok = load_default_model(dtype=torch.bfloat16)
     except (ModuleNotFoundError, ImportError) as err:
         pytest.skip(str(err))
-    # translation question 161: in bf16 the plain model's top two tokens at generated token 18 are 0.06 apart,
-    # and every multi-token verifier (HF's prompt lookup included) can pick the other one
-    text = next(p.text for p in load_prompts(None, split="eval", categories=["translation"])
-                if p.question_id == 161)
-    ids = chat_input_ids(tok, text)
-    return model, ids
+    # bf16 near-ties depend on the CPU's kernels: translation question 161 has one on the AMD EPYC this test was
+    # written on (top two tokens 0.06 apart at generated token 18), the Intel Xeon of session 8 rounds it away, so
+    # the test looks for the first of a few eval prompts where the oracle parts from plain greedy
+    prompts = load_prompts(None, split="eval", limit_per_category=2)
+    prompts.sort(key=lambda p: p.question_id != 161)
+    return model, [chat_input_ids(tok, p.text) for p in prompts]
 
 
 def _plain(model, ids, new):
@@ -61,15 +61,17 @@ def accept_one_more(draft, target_logits, draft_len):
 
 @pytest.mark.slow
 def test_bf16_near_tie_is_near_tie_and_a_planted_bug_differs(bf16_smollm2, monkeypatch):
-    model, ids = bf16_smollm2
+    model, candidates = bf16_smollm2
     new = 24
-    plain = _plain(model, ids, new)
-    judge_args = (model, PlainLogits(model, {}), ids[0].tolist())
-
-    # the oracle drafts plain greedy's own tokens, so only the verifier's multi-token rounding can part from it
-    tie = _wrapped(model, ids, new, drafter=OracleDrafter.from_rows([plain]), max_draft_tokens=6)
-    verdict = judge(*judge_args, tie, plain, new)
-    assert verdict is not None, "no divergence in bf16 here: the near-tie this test relies on is gone"
+    for ids in candidates:
+        plain = _plain(model, ids, new)
+        judge_args = (model, PlainLogits(model, {}), ids[0].tolist())
+        # the oracle drafts plain greedy's own tokens, so only the verifier's multi-token rounding can part from it
+        tie = _wrapped(model, ids, new, drafter=OracleDrafter.from_rows([plain]), max_draft_tokens=6)
+        verdict = judge(*judge_args, tie, plain, new)
+        if verdict is not None:
+            break
+    assert verdict is not None, f"no bf16 divergence on any of {len(candidates)} eval prompts: nothing to judge"
     assert verdict.kind == NEAR_TIE, verdict
     assert verdict.gap <= 2 * verdict.discrepancy
 
