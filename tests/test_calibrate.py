@@ -153,15 +153,18 @@ def test_acceptance_profile_sees_the_planted_layer():
 def test_planted_optimum_is_found_first(tmp_path):
     """With the exit at layer 2 perfect and earlier exits poor, the cheapest perfect setting is E=2 with the
     longest drafts: the cost model enqueues it as trial 0 and the re-timed best is at E=2. (16 new tokens: 1 from
-    the prefill, then 3 steps of 5 with K=4 against 4 steps with K=3, so K=4 is the unique optimum.)"""
+    the prefill, then 3 steps of 5 with K=4 against 4 steps with K=3: K=4 wins where a 5-token verify costs about
+    what a 4-token one does; on session 8's Intel Xeon, where wider passes cost more, the timed cost model once put
+    K=3 first, so either perfect K counts, and the exit layer is what is checked.)"""
     model = _planted_model(6, exit_layer=2)
     # exits 3..5 agree perfectly too and differ from 2 only by a layer's time, which a loaded machine's timer
     # cannot order reliably; 1 stays in the space as the negative control
     spec = _spec(new_tokens=16, exit_layer=[1, 2])
     result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=3, **QUIET)
+    first = dict(result.report["trials"][0]["params"])
+    assert first.pop("max_draft_tokens") in (3, 4)
+    assert first == {"drafter": "early_exit", "exit_layer": 2, "draft_confidence_threshold": 0.0}
     first = result.report["trials"][0]
-    assert first["params"] == {"drafter": "early_exit", "max_draft_tokens": 4, "exit_layer": 2,
-                               "draft_confidence_threshold": 0.0}
     assert first["acceptance_rate"] == 1.0
     assert result.best.exit_layer == 2
     assert result.report["all_outputs_match_plain"]
