@@ -138,6 +138,40 @@ def test_a_tree_accepts_more_than_its_chain_on_a_flat_model():
     assert tree.mean_accepted_tokens > 1.2 * chain.mean_accepted_tokens, (tree, chain)
 
 
+def _grown(probs_per_level: list[list[float]], threshold: float, top_k: int = 3, size: int = 12, depth: int = 3):
+    """grow_tree on one row whose every node at depth d has the draft distribution probs_per_level[d] (over a
+    vocabulary of that length): the run nodes per level and the tree's nodes."""
+    from types import SimpleNamespace
+
+    from selfspec.drafters.tree import grow_tree
+
+    run = []
+
+    def run_level(inputs, positions, parents):  # (1, F) -> states (1, F, 4), logits (1, F, V)
+        level = len(run)
+        run.append(inputs.shape[1])
+        logp = torch.tensor(probs_per_level[level]).log()
+        return torch.zeros(1, inputs.shape[1], 4), logp.expand(1, inputs.shape[1], -1)
+
+    slots = SimpleNamespace(tree=None)
+    state = SimpleNamespace(batch=1, device=torch.device("cpu"), pending=torch.tensor([0]), pos=torch.tensor([5]),
+                            finished=torch.tensor([False]), process=lambda x: x,
+                            is_eos=lambda t: torch.zeros_like(t, dtype=torch.bool),
+                            ctx=SimpleNamespace(slots=slots, cache=SimpleNamespace(layer_length=lambda layer: 0)))
+    draft = grow_tree(state, run_level, depth, top_k, size, threshold)
+    return run, draft.tokens.shape[1]
+
+
+def test_a_threshold_runs_only_the_nodes_that_reach_it():
+    """Children below the threshold by cumulative draft probability are neither run through [0, E) nor kept:
+    under a root whose children are 0.6 / 0.3 / 0.1 and threshold 0.2, level 2 runs the first two, and of their
+    grandchildren (0.36, 0.18, 0.06, 0.18, ...) only 0.36 reaches it, and of its children (the last level,
+    leaves) only 0.216. Without a threshold every top-3 node runs."""
+    probs = [[0.6, 0.3, 0.1, 0.0], [0.6, 0.3, 0.1, 0.0], [0.6, 0.3, 0.1, 0.0]]
+    assert _grown(probs, 0.2) == ([1, 2, 1], 4)  # run: root, (0.6, 0.3), (0.36); nodes: those 3 and 0.216
+    assert _grown(probs, 0.0) == ([1, 3, 3], 12)  # 6 run, 6 best leaves of the 9 under the last level
+
+
 @pytest.mark.parametrize("case", ["draft-model", "penalty"])
 def test_chains_with_a_warning_where_a_tree_cannot_run(case):
     model = make_model("llama", 4)
@@ -253,3 +287,20 @@ def test_a_top_reading_head_reads_each_tree_nodes_parent():
             out = chain.normed(head, adapter, h, None)
         assert torch.allclose(out[:, 0], deep[:, node])
     selfspec.unwrap(model)
+
+
+@pytest.mark.parametrize("threshold,top_k,size,depth", [(0.2, 3, 12, 3), (0.05, 4, 14, 5), (0.0, 3, 10, 3),
+                                                        (0.1, 2, 6, 4), (0.0, 2, 16, 2)])
+def test_the_cost_models_tree_is_what_the_grower_grows(threshold, top_k, size, depth):
+    """On a head whose distribution at each depth is known, the calibrator's replay (cost_model._tree_block) runs
+    the levels and keeps the nodes grow_tree does, threshold included. (0.0, 2, 16, 2): a size larger than the
+    levels offer (2 run, 4 leaves); the grower once filled it with its run nodes again, as leaves of -inf score.)"""
+    from selfspec.tools import cost_model
+
+    probs = [[0.5, 0.3, 0.15, 0.05], [0.7, 0.2, 0.1, 0.0], [0.4, 0.4, 0.1, 0.1], [0.9, 0.05, 0.05, 0.0],
+             [0.6, 0.3, 0.1, 0.0]][:depth]
+    run, nodes = _grown(probs, threshold, top_k, size, depth)
+    n = len(probs)
+    widths, replayed, _ = cost_model._tree_block(probs, [0] * n, [p[0] for p in probs], 0, depth, top_k, size,
+                                                 threshold, [False] * n)
+    assert (widths, replayed) == (run, nodes)

@@ -1,7 +1,8 @@
 """Grow a draft tree from a head's distribution (EAGLE-2's dynamic tree) on the shared early-exit cache.
 
-Level by level, the frontier (the best `top_k` nodes of the newest level by cumulative draft log-probability)
-runs through layers [0, E) and the head under the tree mask, so its KV is the verifier's own, as for a chain.
+Level by level, the frontier (the best `top_k` nodes of the newest level by cumulative draft log-probability,
+and with a confidence threshold only those whose cumulative probability reaches it) runs through layers [0, E)
+and the head under the tree mask, so its KV is the verifier's own, as for a chain.
 Each frontier node offers its `top_k` most probable children; after `depth` levels, or when `size` nodes are
 run, the tree keeps every run node and fills up to `size` nodes with the best remaining children (leaves),
 which the verifier runs through [0, E) itself. Keeping the run nodes keeps the tree closed under ancestors
@@ -23,8 +24,10 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
     logits (B, F, V)); parents are the inputs' parents' verify-input indices, None for the root.
     Returns a tree Draft of at most `size` nodes and `depth` levels per row (parents, hidden, no q).
 
-    threshold: the chain's confidence rule for trees: growth stops once no row has a child whose cumulative draft
-    probability reaches it, and leaves below it are left out (as far as every row agrees)."""
+    threshold: the chain's confidence rule for trees: a level runs only the children whose cumulative draft
+    probability reaches it (as many as the row with most has), so growth stops once no row has one, and leaves
+    below it are left out (likewise). A node below it is unlikely to be accepted and costs a slot in every level
+    pass and in the verify pass, which on a CPU grow by about 5 % of a step per token."""
     b, device = state.batch, state.device
     slots, base = state.ctx.slots, state.ctx.cache.layer_length(0)
     run_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
@@ -43,9 +46,7 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
         score = (frontier_score[..., None] + top_logp).flatten(1)  # (B, F * top_k)
         tokens = top_tokens.flatten(1)
         parents = frontier_inputs[..., None].expand(-1, -1, top_k).flatten(1)
-        width = frontier_width(level, depth, top_k, size, run_tokens.shape[1])
-        if threshold > 0 and width > 0 and not bool((score >= math.log(threshold)).any()):
-            width = 0  # nothing worth running through [0, E) again
+        width = min(frontier_width(level, depth, top_k, size, run_tokens.shape[1]), reaching(score, threshold))
         if width > 0:  # nothing is drafted after an EOS, so an EOS child is expanded last
             pick = score.masked_fill(state.is_eos(tokens), float("-inf")).topk(width, dim=-1).indices
             frontier, frontier_score = tokens.gather(1, pick), score.gather(1, pick)
@@ -71,13 +72,24 @@ def frontier_width(level: int, depth: int, top_k: int, size: int, run: int) -> i
     return min(top_k, size - run) if level < depth else 0
 
 
+def earns_slot(score, threshold: float):
+    """Whether a node of this cumulative draft log-probability (a float, or elementwise a tensor of them) earns a
+    slot in the tree: it reaches the threshold, and it is not ruled out (-inf: a token the processors forbid, or a
+    child already taken). The grower and the cost model's replay (tools.cost_model) count nodes with it."""
+    floor = math.log(threshold) if threshold > 0 else -math.inf
+    return (score >= floor) & (score > -math.inf)
+
+
+def reaching(score: torch.Tensor, threshold: float) -> int:
+    """How many of a level's nodes, (B, M) cumulative log-probabilities, earn a slot in the row that has most."""
+    return int(earns_slot(score, threshold).sum(dim=1).max())
+
+
 def _with_best_leaves(run_tokens, run_parents, leaves, size: int, threshold: float):
     """Append the best size - (run nodes) leaves by cumulative score, most probable first (the order in which
     sampling tries siblings); with a threshold, only as many as the row with most leaves above it has."""
     tokens, parents, score = (torch.cat(parts, dim=1) for parts in zip(*leaves))
-    count = min(size - run_tokens.shape[1], tokens.shape[1])
-    if threshold > 0:
-        count = min(count, int((score >= math.log(threshold)).sum(dim=1).max()))
+    count = min(size - run_tokens.shape[1], reaching(score, threshold))
     pick = score.topk(count, dim=-1).indices
     return (torch.cat([run_tokens, tokens.gather(1, pick)], dim=1),
             torch.cat([run_parents, parents.gather(1, pick)], dim=1))

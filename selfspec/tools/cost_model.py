@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -29,6 +30,9 @@ from .replay import accepted_drafts, replay_greedy
 
 
 # --- acceptance -----------------------------------------------------------------------------------------------
+TOP_PROBS = 8  # best head probabilities kept per answer token: a tree with a threshold runs the children reaching it
+
+
 @dataclass
 class Sequence:
     """One calibration text: `prompt` (1, P) ids and the plain model's greedy `answer` (N,) ids."""
@@ -50,6 +54,9 @@ class LayerAcceptance:
     # [sequence][i]: the head's probability of answer token i (0 outside its draft vocabulary): a tree with a
     # threshold keeps a leaf only while the product of these along its path reaches it
     prob: list[list[float]] = field(default_factory=list)
+    # [sequence][i]: the head's TOP_PROBS best probabilities there, best first: how many children of a tree node
+    # reach a threshold (the grower runs only those), replayed in simulate_tree
+    top: list[list[list[float]]] = field(default_factory=list)
 
     @property
     def agreement(self) -> float:
@@ -72,16 +79,18 @@ class LayerAcceptance:
 
 
 def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice, answer: torch.Tensor):
-    """Draft token ids (N,), the head's top probability (N,), the rank of each answer token (N,) and its
-    probability (N,) at the `rows` of a text `ids` (1, T) whose hidden states (HF's tuple: embeddings, each layer's
-    output, the last one final-normed) are given; answer (N,) holds the tokens the full model emitted there."""
+    """Draft token ids (N,), the head's top probability (N,), the rank of each answer token (N,), its
+    probability (N,) and the head's TOP_PROBS best probabilities (N, TOP_PROBS) at the `rows` of a text `ids`
+    (1, T) whose hidden states (HF's tuple: embeddings, each layer's output, the last one final-normed) are given;
+    answer (N,) holds the tokens the full model emitted there."""
     head = engine.head_for(exit_layer)
     if head.copy_max:  # its candidates come from the text; its logits cover the full vocabulary
         logits, vocab_ids = teacher_forced_copy_logits(head, states, engine.adapter, ids, rows), None
     else:
         logits, vocab_ids = teacher_forced_logits(head, states, engine.adapter, rows).float(), head.vocab_ids
     probs = logits.softmax(-1)  # (N, V_draft), or (N, V)
-    conf, idx = probs.max(-1)
+    best = probs.topk(min(TOP_PROBS, probs.shape[-1]), dim=-1).values
+    conf, idx = best[:, 0], probs.argmax(-1)
     column = answer.to(probs.device)
     if vocab_ids is not None:  # the answer token's column in the draft vocabulary, -1 outside it
         lookup = torch.full((engine.adapter.vocab_size,), -1, dtype=torch.long, device=probs.device)
@@ -89,7 +98,8 @@ def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice
         column = lookup[column]
     p_answer = probs.gather(1, column.clamp(min=0)[:, None])
     rank = (probs > p_answer).sum(-1).masked_fill(column < 0, probs.shape[-1])
-    return (idx if vocab_ids is None else head.token_ids(idx)), conf, rank, p_answer[:, 0].masked_fill(column < 0, 0.0)
+    return ((idx if vocab_ids is None else head.token_ids(idx)), conf, rank,
+            p_answer[:, 0].masked_fill(column < 0, 0.0), best)
 
 
 @torch.no_grad()
@@ -103,11 +113,13 @@ def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]
         states = model(ids, output_hidden_states=True).hidden_states  # L + 1 of (1, P + N, H)
         for e in exit_layers:
             # position P - 1 + i predicts answer token i; hidden_states[e] is the input of layer e
-            tokens, conf, rank, prob = _head_drafts(engine, e, states, ids, slice(p - 1, p - 1 + n), seq.answer)
+            tokens, conf, rank, prob, best = _head_drafts(engine, e, states, ids, slice(p - 1, p - 1 + n),
+                                                          seq.answer)
             out[e].agree.append((tokens.cpu() == seq.answer.cpu()).tolist())
             out[e].conf.append(conf.cpu().tolist())
             out[e].rank.append(rank.cpu().tolist())
             out[e].prob.append(prob.cpu().tolist())
+            out[e].top.append(best.cpu().tolist())
     return out
 
 
@@ -294,34 +306,56 @@ def tree_shape(depth: int, top_k: int, size: int) -> tuple[list[int], int]:
     return widths, run + min(size - run, leaves)
 
 
-def _tree_block(rank, conf, prob, start: int, k: int, top_k: int, size: int, threshold: float, eos) -> tuple:
-    """One tree step from answer token `start`, approximated along the answer's own path. The node at depth d
-    exists when its parent was run (expanded) and it is among what the budget keeps of the parent's children:
-    at a run level d, one of the widths[d] nodes run (taken as: the head ranks it below widths[d]); at the last
-    level, one of the size - run leaves (ranked below that and top_k; none when the run nodes used the whole
-    size), and with a threshold only while the product of the path's probabilities (`prob`) reaches it, as the
-    grower leaves out leaves below it. Growth stops where the path's product of top probabilities falls below
-    the threshold. Returns (level widths run, nodes drafted, accepted)."""
-    widths, nodes = tree_shape(k, top_k, size)
-    sure = 1.0
-    if threshold > 0:  # levels whose best node is below the threshold are not grown (nor anything under them)
-        for d in range(1, len(widths)):
-            sure *= conf[min(start + d - 1, len(conf) - 1)]
-            if sure < threshold:  # nothing at depth d reaches it: none is run, nor kept as a leaf
-                widths, nodes = widths[:d], sum(widths[1:d])
-                break
-    leaf_slots = nodes - sum(widths[1:])
-    accepted, path = 0, 1.0
-    for d in range(1, len(widths) + 1):
-        i = start + d - 1
-        path *= prob[i]
-        kept = widths[d] if d < len(widths) else min(top_k, leaf_slots)
-        if rank[i] >= kept or (d == len(widths) and path < threshold):
+def _tree_block(top, rank, prob, start: int, k: int, top_k: int, size: int, threshold: float, eos) -> tuple:
+    """One tree step from answer token `start`, replayed on a tree whose nodes at depth d all have the head's
+    distribution at answer token start + d - 1 (its best probabilities `top`): the grower's own rules run on it
+    (frontier_width within the size, reaching the threshold, the best leaves after the run nodes). The answer's
+    node at depth d, the child of rank rank[i] under the answer's node above it, is in the tree when that node
+    was run and its cumulative score places it among the run nodes of its level or the leaves kept. Returns
+    (level widths run, nodes drafted, accepted)."""
+    from ..drafters.tree import earns_slot, frontier_width
+
+    last = len(rank) - 1
+    frontier, widths, run, leaves = [0.0], [1], 0, []  # log-scores of the nodes to run next, of the leaves
+    answer, walking, accepted, leaf = 0.0, True, 0, None  # leaf: (depth, score) of an answer node not run
+    for level in range(1, k + 1):
+        i = min(start + level - 1, last)
+        child = [_log(p) for p in (list(top[i][:top_k]) + [0.0] * top_k)[:top_k]]
+        children = sorted((f + c for f in frontier for c in child), reverse=True)
+        width = min(frontier_width(level, k, top_k, size, run), sum(earns_slot(c, threshold) for c in children))
+        if walking:
+            answer += _log(prob[i])
+            if rank[i] < top_k and width > 0 and answer >= children[width - 1]:
+                accepted, walking = level, not eos[i]  # nothing is drafted after an EOS
+            else:
+                leaf, walking = ((level, answer) if rank[i] < top_k else None), False
+        leaves += children[width:]
+        if width == 0:
             break
-        accepted = d
-        if eos[i]:
-            break
-    return widths, nodes, accepted
+        frontier = children[:width]
+        widths.append(width)
+        run += width
+    room = min(size - run, sum(earns_slot(c, threshold) for c in leaves))
+    kept = sorted(leaves, reverse=True)[:room]
+    if leaf is not None and kept and leaf[1] >= kept[-1]:
+        accepted = leaf[0]
+    return widths, run + len(kept), accepted
+
+
+def _log(p: float) -> float:
+    # a probability that rounds to 0 still has a finite log-softmax in the grower, so such a child still counts
+    # where no threshold is set
+    return math.log(p) if p > 0 else -1e30
+
+
+def _top_of(acc: "LayerAcceptance", s: int) -> list[list[float]]:
+    """The head's best probabilities at each answer token of sequence s, or, for a profile measured without them,
+    what its top probability, the answer token's rank and probability tell: the rank tokens above it as likely as
+    the top one."""
+    if acc.top:
+        return acc.top[s]
+    return [[c] * min(r, TOP_PROBS) + ([p] if 0 < r < TOP_PROBS else []) or [c]
+            for c, r, p in zip(acc.conf[s], acc.rank[s], acc.prob[s])]
 
 
 def simulate_tree(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, top_k: int, size: int,
@@ -329,10 +363,11 @@ def simulate_tree(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, top_k
     """Replay the greedy loop (replay.replay_greedy) with draft trees of the given shape: level passes of
     widths[d] tokens through [0, E) and the head, then one verify pass over the root and every node."""
     c = Counts()
-    for rank, conf, prob, is_eos in zip(acc.rank, acc.conf, acc.prob, eos):
+    for s, (rank, prob, is_eos) in enumerate(zip(acc.rank, acc.prob, eos)):
+        top = _top_of(acc, s)
 
         def step(done: int, k: int) -> int:
-            widths, nodes, accepted = _tree_block(rank, conf, prob, done, k, top_k, size, threshold, is_eos)
+            widths, nodes, accepted = _tree_block(top, rank, prob, done, k, top_k, size, threshold, is_eos)
             for w in widths:
                 c.draft_width[w] = c.draft_width.get(w, 0) + 1
             c.fresh_early += nodes + 1 - sum(widths)
