@@ -46,7 +46,9 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
         score = (frontier_score[..., None] + top_logp).flatten(1)  # (B, F * top_k)
         tokens = top_tokens.flatten(1)
         parents = frontier_inputs[..., None].expand(-1, -1, top_k).flatten(1)
-        width = min(frontier_width(level, depth, top_k, size, run_tokens.shape[1]), reaching(score, threshold))
+        width = frontier_width(level, depth, top_k, size, run_tokens.shape[1])
+        if width > 0:  # counting what reaches the threshold costs a device sync: not at the last level
+            width = min(width, reaching(score, threshold))
         if width > 0:  # nothing is drafted after an EOS, so an EOS child is expanded last
             pick = score.masked_fill(state.is_eos(tokens), float("-inf")).topk(width, dim=-1).indices
             frontier, frontier_score = tokens.gather(1, pick), score.gather(1, pick)
@@ -68,7 +70,7 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
 def frontier_width(level: int, depth: int, top_k: int, size: int, run: int) -> int:
     """Nodes of level `level` (1-based: the root's children) to run through [0, E) and expand, when `run` nodes
     already were: top_k while they fit in `size`, none at the last level. The one statement of the tree's shape;
-    the cost model (tools.cost_model.tree_shape) replays it."""
+    the cost model's replay (tools.cost_model._tree_block) runs it too."""
     return min(top_k, size - run) if level < depth else 0
 
 

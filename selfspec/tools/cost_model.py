@@ -89,8 +89,8 @@ def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice
     else:
         logits, vocab_ids = teacher_forced_logits(head, states, engine.adapter, rows).float(), head.vocab_ids
     probs = logits.softmax(-1)  # (N, V_draft), or (N, V)
-    best = probs.topk(min(TOP_PROBS, probs.shape[-1]), dim=-1).values
-    conf, idx = best[:, 0], probs.argmax(-1)
+    best, order = probs.topk(min(TOP_PROBS, probs.shape[-1]), dim=-1)  # (N, TOP_PROBS), best first
+    conf, idx = best[:, 0], order[:, 0]
     column = answer.to(probs.device)
     if vocab_ids is not None:  # the answer token's column in the draft vocabulary, -1 outside it
         lookup = torch.full((engine.adapter.vocab_size,), -1, dtype=torch.long, device=probs.device)
@@ -292,18 +292,11 @@ def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold:
 # --- draft trees ----------------------------------------------------------------------------------------------
 def tree_shape(depth: int, top_k: int, size: int) -> tuple[list[int], int]:
     """(widths, nodes) of a tree grown to `depth` levels without a threshold: widths[d] nodes are run through
-    [0, E) at depth d (widths[0] = 1, the root), `nodes` are drafted in all. drafters.tree.frontier_width's rule."""
-    from ..drafters.tree import frontier_width
-
-    widths, run, leaves = [1], 0, 0
-    for level in range(1, depth + 1):
-        width = frontier_width(level, depth, top_k, size, run)
-        leaves += widths[-1] * top_k - width
-        if width == 0:
-            break
-        widths.append(width)
-        run += width
-    return widths, run + min(size - run, leaves)
+    [0, E) at depth d (widths[0] = 1, the root), `nodes` are drafted in all. The replay's tree (_tree_block) on a
+    head whose every probability is alike, so that only the shape rules (drafters.tree.frontier_width) decide."""
+    alike = [[1.0 / top_k] * top_k] * depth
+    widths, nodes, _ = _tree_block(alike, [0] * depth, [1.0] * depth, 0, depth, top_k, size, 0.0, [False] * depth)
+    return widths, nodes
 
 
 def _tree_block(top, rank, prob, start: int, k: int, top_k: int, size: int, threshold: float, eos) -> tuple:
