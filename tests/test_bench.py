@@ -249,11 +249,13 @@ def test_chain_methods_draft_chains_when_the_calibrated_winner_is_a_tree(model, 
     model.selfspec.add_head(MLPHead(3, 32))
     model.selfspec.save_pretrained(str(tmp_path / "heads"))
     selfspec.unwrap(model)
-    res = _run(model, methods=("hf-greedy", "selfspec", "selfspec-hybrid", "selfspec-tree"),
+    res = _run(model, methods=("hf-greedy", "selfspec", "selfspec-hybrid", "selfspec-tree", "selfspec-hybrid-tree"),
                heads=str(tmp_path / "heads"), exit_layer=None, max_draft_tokens=None)
     settings = res.setup["engine_settings"]
     assert "trees" not in settings["selfspec"] and "trees" not in settings["selfspec-hybrid"], settings
     assert "min match 2" in settings["selfspec-hybrid"] and "trees of" in settings["selfspec-tree"]
+    # the hybrid's trees: its chain's calibrated setting with the default tree (no "hybrid-tree" entry)
+    assert "min match 2" in settings["selfspec-hybrid-tree"] and "trees of top-4" in settings["selfspec-hybrid-tree"]
     assert not res.mismatches
 
 

@@ -238,6 +238,37 @@ def test_hybrid_takes_every_path():
     assert all(steps.get(p, 0) > 0 for p in ("ngram", "early_exit", "mixed")), steps
 
 
+def test_hybrid_trees_skip_the_head_where_every_row_matches():
+    """As for chains, a hybrid tree step in which every live row has a strong match (and nothing is extended)
+    drafts n-gram branches only: the head's layers run in no such step, other steps grow the head's tree, and
+    the padded batch's output stays identical."""
+    model = make_model("llama", LAYERS)
+    ids, mask = _repetitive_batch(seed=2, lengths=(14, 12, 11))  # every row repeats: matches at most steps
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=4, draft_tree_top_k=2,
+                  draft_tree_size=8, hybrid_extend=False, hybrid_min_match=2)
+    try:
+        engine = model.selfspec
+        used = engine.drafter_override = build_drafter(engine)
+        ran, propose, run = [], used.propose, used.early.run
+        used.early.run = lambda *a, **k: (ran.append(1), run(*a, **k))[1]
+
+        def counted(state, k):  # head passes per step, keyed by the path the step took
+            before, paths = len(ran), dict(used.steps)
+            draft = propose(state, k)
+            path = next((p for p in used.steps if used.steps[p] != paths.get(p, 0)), "none")  # k = 0: none
+            passes.setdefault(path, []).append(len(ran) - before)
+            return draft
+
+        passes = {}
+        used.propose = counted
+        assert torch.equal(model.generate(ids, attention_mask=mask, **GEN), ref)
+    finally:
+        selfspec.unwrap(model)
+    assert passes.get("ngram") and set(passes["ngram"]) == {0}, passes
+    assert any(n > 0 for path, runs in passes.items() if path != "ngram" for n in runs), passes
+
+
 def test_hybrid_fallback_drafts_short_matches_the_head_declines():
     """No match is long enough to trust (min_match above ngram_max) and the head is never sure enough (threshold
     0.99): without fallback the hybrid drafts nothing; with it each row drafts its short match's continuation, some

@@ -23,8 +23,9 @@ costs one early-exit pass over its n-gram tokens plus one per head token.
 When no row needs the head (every live row has a strong match and nothing to extend), the step is a plain n-gram
 draft: no early-exit pass, Draft.hidden = None, and the verifier runs all layers over the drafts in one pass.
 
-With draft trees (draft_tree_top_k > 1) there is no choice to make: each row's tree holds the n-gram branches
-(several earlier occurrences, when its match is strong) and the head's tree, grown in the nodes left.
+With draft trees (draft_tree_top_k > 1) each row's tree holds the n-gram branches (several earlier occurrences,
+when its match is strong) and the head's tree, grown in the nodes left; as for chains, a step in which every live
+row has a strong match (and nothing is extended) is a plain n-gram tree, with no early-exit pass.
 
 In sampling mode q is one-hot on n-gram tokens (point mass: accepted with probability p(x), resampled from p with x
 removed) and the head's processed distribution on head tokens; both keep rejection sampling exact.
@@ -133,6 +134,12 @@ class HybridDrafter(Drafter):
         size, top_k = state.settings.tree_size, state.settings.tree_top_k
         branches = self.ngram.branches(state, k, top_k, self.min_match)
         tokens, parents, lengths = pack_trees([merge_branches(b, size) for b in branches], state.device)
+        if not self.extend and all(b or done for b, done in zip(branches, state.done)):  # host lists: no sync
+            # the chain's rule: every live row has a strong match and none is extended, so no row needs the head
+            # and its level passes would only cost (the verifier runs [0, E) over the n-gram nodes itself)
+            self.steps["ngram"] += 1
+            return Draft(tokens=tokens, draft_len=lengths, parents=parents) if tokens.shape[1] else \
+                Draft.empty(state.batch, state.device)
         self.steps["tree" if tokens.shape[1] else "early_exit"] += 1
         head = grow_tree(state, self.early.run_level(state), k, top_k, size - tokens.shape[1], self.early.threshold)
         width = head.tokens.shape[1]

@@ -244,6 +244,8 @@ METHODS: dict[str, Method] = {
     "selfspec-hybrid": EngineMethod("selfspec, n-gram or early-exit drafter per row", "hybrid", trained=True),
     "selfspec-tree": EngineMethod("selfspec with trained heads, drafting trees", "early_exit", trained=True,
                                   tree=True),
+    "selfspec-hybrid-tree": EngineMethod("selfspec hybrid drafting trees: n-gram branches and the head's tree",
+                                         "hybrid", trained=True, tree=True),
 }
 # The tree shape of selfspec-tree when the calibration recorded none (per_drafter["early_exit-tree"]).
 DEFAULT_TREE = {"draft_tree_top_k": 4, "draft_tree_size": 16}
