@@ -219,6 +219,20 @@ def test_tree_shapes_join_the_study(tmp_path):
         selfspec.SelfSpecConfig(**params).validate(num_layers=4)
 
 
+def test_hybrid_trees_join_the_study(tmp_path):
+    """The hybrid's trees are searched too (measured, not predicted), exact, and kept apart from its chains under
+    "hybrid-tree", which the bench's selfspec-hybrid-tree reads."""
+    model = make_model("llama", 4, agreeable=False)
+    spec = _spec(drafter=["hybrid"], exit_layer=[2], max_draft_tokens=[3], draft_tree_top_k=[1, 2],
+                 draft_tree_size=[4], hybrid_min_match=[1], hybrid_extend=[False], hybrid_fallback=[False])
+    result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=4, **QUIET)
+    assert result.report["all_outputs_match_plain"], result.report["trials"]
+    per = json.load(open(tmp_path / "selfspec_config.json"))["metadata"]["calibration"]["per_drafter"]
+    assert per["hybrid-tree"]["draft_tree_top_k"] == 2 and per["hybrid"]["draft_tree_top_k"] == 1, per
+    for params in per.values():
+        selfspec.SelfSpecConfig(**params).validate(num_layers=4)
+
+
 def test_per_drafter_follows_the_retimed_order():
     """Each drafter's entry is its fastest setting; among the finalists re-timed side by side that order wins over
     the single trial timings, so the config's own (re-timed best) setting is its drafter's entry."""
@@ -439,8 +453,8 @@ def test_every_kind_of_drafting_gets_trials(balance):
         return (100.0 if params["drafter"] == "hybrid" else 10.0) + params["max_draft_tokens"]
 
     study.optimize(landscape, n_trials=40, callbacks=[BalanceKinds(space)] if balance else [])
-    count = {k: sum(tree_key(t.params) == k for t in study.trials) for k in ("early_exit", "early_exit-tree",
-                                                                            "ngram", "hybrid")}
+    kinds = ("early_exit", "early_exit-tree", "ngram", "hybrid", "hybrid-tree")  # both exit drafters grow trees
+    count = {k: sum(tree_key(t.params) == k for t in study.trials) for k in kinds}
     fewest = min(count.values())
     assert (fewest >= 5) == balance, count
 

@@ -14,6 +14,8 @@ from ...config import SelfSpecConfig
 
 SEARCHABLE_DRAFTERS = ("early_exit", "ngram", "hybrid", "none")
 EXIT_DRAFTERS = ("early_exit", "hybrid")  # drafters that run layers [0, E) + the exit head
+# drafters whose tree shapes the study searches (ngram trees draft without a head: measured slower, left out)
+TREE_DRAFTERS = ("early_exit", "hybrid")
 NGRAM_DRAFTERS = ("ngram", "hybrid")
 # the shipped search specifications, package data (installed with the wheel): <model>.yaml and default.yaml
 SEARCH_SPACES = Path(__file__).resolve().parent / "search_spaces"
@@ -32,7 +34,7 @@ class SpaceSpec:
     hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
     hybrid_extend: object = field(default_factory=lambda: [True, False])
     hybrid_fallback: object = field(default_factory=lambda: [True, False])
-    # early_exit only: children per tree node (1 = chains; [1] alone searches no trees) and nodes per tree
+    # early_exit and hybrid: children per tree node (1 = chains; [1] alone searches no trees) and nodes per tree
     draft_tree_top_k: object = field(default_factory=lambda: [1])
     draft_tree_size: object = field(default_factory=lambda: {"min": 4, "max": 16, "step": 2})
 
@@ -254,7 +256,7 @@ def suggest(trial, space: SearchSpace) -> dict:
         lo, hi, step = space.thresholds
         params["draft_confidence_threshold"] = trial.suggest_float(
             "draft_confidence_threshold", lo, hi, step=step or None)
-    if params["drafter"] == "early_exit" and space.searches_trees:  # the drafter that grows trees
+    if params["drafter"] in TREE_DRAFTERS and space.searches_trees:
         params["draft_tree_top_k"] = _suggest_from(trial, "draft_tree_top_k", space.tree_top_k)
         if params["draft_tree_top_k"] > 1:
             params["draft_tree_size"] = _suggest_from(trial, "draft_tree_size", space.tree_sizes)
@@ -295,12 +297,12 @@ def trial_config(base: SelfSpecConfig, params: dict) -> SelfSpecConfig:
 
 
 def kinds(space: SearchSpace) -> list[str]:
-    """The kinds of drafting the space holds, as tree_key names them: each drafter, and early_exit's trees apart
-    from its chains when the space has both."""
+    """The kinds of drafting the space holds, as tree_key names them: each drafter, and the trees of those that
+    grow them apart from their chains when the space has both."""
     out = []
     for drafter in space.drafters:
-        if drafter == "early_exit" and space.searches_trees:
-            out += ["early_exit"] * (1 in space.tree_top_k) + ["early_exit-tree"]
+        if drafter in TREE_DRAFTERS and space.searches_trees:
+            out += [drafter] * (1 in space.tree_top_k) + [f"{drafter}-tree"]
         elif drafter != "none":
             out.append(drafter)
     return out
@@ -309,11 +311,12 @@ def kinds(space: SearchSpace) -> list[str]:
 def kind_params(kind: str, space: SearchSpace, turn: int) -> dict:
     """The params that fix a trial to one kind (the sampler chooses the rest); trees cycle through the space's
     widths with `turn`."""
-    if kind == "early_exit-tree":
+    drafter = kind.removesuffix("-tree")
+    if drafter != kind:
         widths = [t for t in space.tree_top_k if t > 1]
-        return {"drafter": "early_exit", "draft_tree_top_k": widths[turn % len(widths)]}
-    if kind == "early_exit" and space.searches_trees:
-        return {"drafter": "early_exit", "draft_tree_top_k": 1}
+        return {"drafter": drafter, "draft_tree_top_k": widths[turn % len(widths)]}
+    if kind in TREE_DRAFTERS and space.searches_trees:
+        return {"drafter": kind, "draft_tree_top_k": 1}
     return {"drafter": kind}
 
 
