@@ -40,7 +40,7 @@ import torch
 from ..trees import merge_branches, pack_trees
 from .base import Draft, Drafter, choose_draft
 from .early_exit import EarlyExitDrafter
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, branch_draft
 from .tree import grow_tree
 
 
@@ -138,8 +138,7 @@ class HybridDrafter(Drafter):
             # the chain's rule: every live row has a strong match and none is extended, so no row needs the head
             # and its level passes would only cost (the verifier runs [0, E) over the n-gram nodes itself)
             self.steps["ngram"] += 1
-            return Draft(tokens=tokens, draft_len=lengths, parents=parents) if tokens.shape[1] else \
-                Draft.empty(state.batch, state.device)
+            return branch_draft(state, tokens, parents, lengths)
         self.steps["tree" if tokens.shape[1] else "early_exit"] += 1
         head = grow_tree(state, self.early.run_level(state), k, top_k, size - tokens.shape[1], self.early.threshold)
         width = head.tokens.shape[1]

@@ -115,6 +115,14 @@ def cut_after_eos(tokens: torch.Tensor, length: torch.Tensor, is_eos) -> torch.T
     return torch.minimum(length, first)
 
 
+def branch_draft(state, tokens: torch.Tensor, parents: torch.Tensor, draft_len: torch.Tensor) -> Draft:
+    """Packed n-gram trees (trees.pack_trees: (B, N) tokens and parents, (B,) nodes per row) as a tree draft with no
+    hidden states, so the verifier runs every layer over it; empty when no row has a node."""
+    if tokens.shape[1] == 0:
+        return Draft.empty(state.batch, state.device)
+    return Draft(tokens=tokens, draft_len=draft_len, parents=parents)
+
+
 class NgramDrafter(Drafter):
     name = "ngram"
     drafts_trees = True  # with trees: the continuations of several earlier occurrences, as branches
@@ -167,10 +175,7 @@ class NgramDrafter(Drafter):
         runs every layer over them)."""
         trees = [merge_branches(b, state.settings.tree_size)
                  for b in self.branches(state, k, state.settings.tree_top_k)]
-        tokens, parents, draft_len = pack_trees(trees, state.device)
-        if tokens.shape[1] == 0:
-            return Draft.empty(state.batch, state.device)
-        return Draft(tokens=tokens, draft_len=draft_len, parents=parents)
+        return branch_draft(state, *pack_trees(trees, state.device))
 
     def propose(self, state, k: int) -> Draft:
         if k == 0:

@@ -247,7 +247,7 @@ METHODS: dict[str, Method] = {
     "selfspec-hybrid-tree": EngineMethod("selfspec hybrid drafting trees: n-gram branches and the head's tree",
                                          "hybrid", trained=True, tree=True),
 }
-# The tree shape of selfspec-tree when the calibration recorded none (per_drafter["early_exit-tree"]).
+# The tree shape of a tree method when the calibration recorded none for its drafter (per_drafter["<drafter>-tree"]).
 DEFAULT_TREE = {"draft_tree_top_k": 4, "draft_tree_size": 16}
 CORE_METHODS = ("hf-greedy", "hf-early-exit", "hf-prompt-lookup", "selfspec-untrained", "selfspec", "selfspec-ar",
                 "oracle")

@@ -257,9 +257,9 @@ def top_settings(study, count: int) -> list:
 def best_per_drafter(study, confirmed: list[dict] = ()) -> dict[str, dict]:
     """{drafter: params of its fastest setting}, so that each drafter can be run at its own best setting (an n-gram
     drafter wants other K than an exit head; the bench reads this). Trees count as a drafter of their own,
-    "early_exit-tree" or "hybrid-tree", so that a chain's best is kept next to the best tree. A drafter among the `confirmed`
-    candidates (re-timed side by side, fastest first) takes its fastest there: the trials' single timings are
-    noisier, and the config's own setting must be its drafter's entry."""
+    "early_exit-tree" or "hybrid-tree", so that a chain's best is kept next to the best tree. A drafter among the
+    `confirmed` candidates (re-timed side by side, fastest first) takes its fastest there: the trials' single
+    timings are noisier, and the config's own setting must be its drafter's entry."""
     best: dict[str, tuple[float, dict]] = {}
     for t in _measured(study):
         drafter = tree_key(t.params)
