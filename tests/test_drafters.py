@@ -238,15 +238,16 @@ def test_hybrid_takes_every_path():
     assert all(steps.get(p, 0) > 0 for p in ("ngram", "early_exit", "mixed")), steps
 
 
-def test_hybrid_trees_skip_the_head_where_every_row_matches():
-    """As for chains, a hybrid tree step in which every live row has a strong match (and nothing is extended)
-    drafts n-gram branches only: the head's layers run in no such step, other steps grow the head's tree, and
-    the padded batch's output stays identical."""
+@pytest.mark.parametrize("extend, k", [(False, 4), (True, 2)])  # extending: a short draft, so matches fill it
+def test_hybrid_trees_skip_the_head_where_every_row_matches(extend, k):
+    """By the chain's rule, a hybrid tree step in which no row needs the head (every live row has a strong match,
+    and with `extend` one that fills the draft or ends in an EOS) drafts n-gram branches only: the head's layers
+    run in no such step, other steps grow the head's tree, and the padded batch's output stays identical."""
     model = make_model("llama", LAYERS)
     ids, mask = _repetitive_batch(seed=2, lengths=(14, 12, 11))  # every row repeats: matches at most steps
     ref = model.generate(ids, attention_mask=mask, **GEN)
-    selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=4, draft_tree_top_k=2,
-                  draft_tree_size=8, hybrid_extend=False, hybrid_min_match=2)
+    selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=k, draft_tree_top_k=2,
+                  draft_tree_size=8, hybrid_extend=extend, hybrid_min_match=2)
     try:
         engine = model.selfspec
         used = engine.drafter_override = build_drafter(engine)

@@ -24,8 +24,8 @@ When no row needs the head (every live row has a strong match and nothing to ext
 draft: no early-exit pass, Draft.hidden = None, and the verifier runs all layers over the drafts in one pass.
 
 With draft trees (draft_tree_top_k > 1) each row's tree holds the n-gram branches (several earlier occurrences,
-when its match is strong) and the head's tree, grown in the nodes left; as for chains, a step in which every live
-row has a strong match (and nothing is extended) is a plain n-gram tree, with no early-exit pass.
+when its match is strong) and the head's tree, grown in the nodes left; a step in which no row needs the head by
+the chain's rule (`rows_needing_head`) is a plain n-gram tree, with no early-exit pass.
 
 In sampling mode q is one-hot on n-gram tokens (point mass: accepted with probability p(x), resampled from p with x
 removed) and the head's processed distribution on head tokens; both keep rejection sampling exact.
@@ -74,22 +74,15 @@ class HybridDrafter(Drafter):
         found = self.ngram.lookup(state, k)
         strong = (found.match >= self.min_match) & (found.length > 0)
         forced_len = found.length.masked_fill(~strong, 0)  # (B,) n-gram tokens each row takes
-        extending = self._needs_head(state, found.tokens, forced_len, strong, k)
+        last = found.tokens.gather(1, (forced_len - 1).clamp(min=0)[:, None])[:, 0]
+        ends_in_eos = (forced_len > 0) & state.is_eos(last)
+        extending = rows_needing_head(~state.finished, strong, forced_len, ends_in_eos, k, self.extend)
         if not bool(extending.any()):
             self.steps["ngram"] += 1
             return _ngram_draft(state, found.tokens, forced_len)
         self.steps["mixed" if bool(strong.any()) else "early_exit"] += 1
         weak_len = found.length.masked_fill(strong, 0) if self.fallback else torch.zeros_like(forced_len)
         return self._forced_early_exit(state, found.tokens.clone(), forced_len, extending, weak_len)
-
-    def _needs_head(self, state, tokens, forced_len, strong, k: int) -> torch.Tensor:
-        """(B,) rows that draft with the head after their n-gram prefix (all of it, for rows without one)."""
-        live = ~state.finished
-        if not self.extend:
-            return live & ~strong
-        last = tokens.gather(1, (forced_len - 1).clamp(min=0)[:, None])[:, 0]
-        ends_in_eos = (forced_len > 0) & state.is_eos(last)
-        return live & (forced_len < k) & ~ends_in_eos
 
     def _forced_early_exit(self, state, tokens, forced_len, extending, weak_len) -> Draft:
         """Early-exit drafting in which each row's first forced_len tokens are given (tokens (B, k)).
@@ -134,9 +127,9 @@ class HybridDrafter(Drafter):
         size, top_k = state.settings.tree_size, state.settings.tree_top_k
         branches = self.ngram.branches(state, k, top_k, self.min_match)
         tokens, parents, lengths = pack_trees([merge_branches(b, size) for b in branches], state.device)
-        if not self.extend and all(b or done for b, done in zip(branches, state.done)):  # host lists: no sync
-            # the chain's rule: every live row has a strong match and none is extended, so no row needs the head
-            # and its level passes would only cost (the verifier runs [0, E) over the n-gram nodes itself)
+        if not bool(self._tree_rows_needing_head(state, branches, k).any()):
+            # the chain's rule says no row needs the head, so its level passes would only cost (the verifier
+            # runs [0, E) over the n-gram nodes itself)
             self.steps["ngram"] += 1
             return branch_draft(state, tokens, parents, lengths)
         self.steps["tree" if tokens.shape[1] else "early_exit"] += 1
@@ -149,6 +142,27 @@ class HybridDrafter(Drafter):
         return Draft(tokens=torch.cat([head.tokens, tokens], dim=1), draft_len=lengths + width,
                      hidden=head.hidden, hidden_layer=self.early.exit_layer,
                      parents=torch.cat([head_parents, parents], dim=1))
+
+    def _tree_rows_needing_head(self, state, branches, k: int) -> torch.Tensor:
+        """rows_needing_head for a tree step, from host lists (no device sync): a row's forced continuation is its
+        first branch, the most recent occurrence's, which is the one the chain's lookup takes."""
+        first = [b[0] if b else [] for b in branches]
+        eos = set(state.settings.eos_token_ids or [])
+        facts = ([not d for d in state.done], [bool(b) for b in branches], [len(f) for f in first],
+                 [bool(f) and f[-1] in eos for f in first])
+        live, strong, forced_len, ends_in_eos = (torch.tensor(f) for f in facts)
+        return rows_needing_head(live, strong, forced_len, ends_in_eos, k, self.extend)
+
+
+def rows_needing_head(live, strong, forced_len, ends_in_eos, k: int, extend: bool) -> torch.Tensor:
+    """(B,) rows that need the head this step, from (B,) facts about each row's n-gram continuation (whether it is
+    live, its match strong, how many tokens it forces and whether the last is an EOS): the one rule of chains and
+    trees. Without `extend` a row with a strong match needs no head; with it, every live row does except one whose
+    forced draft fills all k tokens or ends in an EOS. (A chain extends a short match with head tokens after it; a
+    tree grows the head's tree beside the n-gram branches, from the root.)"""
+    if not extend:
+        return live & ~strong
+    return live & (forced_len < k) & ~ends_in_eos
 
 
 def _ngram_draft(state, tokens, length) -> Draft:
