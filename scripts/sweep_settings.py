@@ -6,9 +6,9 @@
           "draft_tree_top_k": 4, "draft_tree_size": 14}'
 
 Each argument is a JSON object of SelfSpecConfig fields laid over the heads' config (the shipped one by default).
-Greedy; acceptance is what `generate` reports, so it does not depend on load. Tokens/s are one pass per setting,
-one setting after another: a quick look at a trade-off, not a benchmark (`selfspec bench` interleaves methods
-prompt by prompt and compares with plain `generate`).
+Greedy; acceptance and drafted tokens a step (a tree's nodes) are what `generate` reports, so they do not depend
+on load. Tokens/s are one pass per setting, one setting after another: a quick look at a trade-off, not a
+benchmark (`selfspec bench` interleaves methods prompt by prompt and compares with plain `generate`).
 """
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_setting(model, batches, new_tokens: int) -> tuple[float, float]:
-    """(mean accepted tokens per verify step, tokens/s) over the batches with the model's current config."""
-    tokens = steps = 0
+def run_setting(model, batches, new_tokens: int) -> tuple[float, float, float]:
+    """(mean accepted tokens per verify step, drafted tokens (tree nodes) per step, tokens/s) over the batches
+    with the model's current config."""
+    tokens = steps = drafted = 0
     seconds = 0.0
     for batch in batches:
         start = time.perf_counter()
@@ -43,7 +44,8 @@ def run_setting(model, batches, new_tokens: int) -> tuple[float, float]:
         seconds += time.perf_counter() - start
         stats = model.selfspec.last_stats
         tokens, steps = tokens + stats.new_tokens, steps + stats.verify_steps
-    return tokens / steps, tokens / seconds
+        drafted += stats.drafted_tokens
+    return tokens / steps, drafted / steps, tokens / seconds
 
 
 def main(argv=None) -> None:
@@ -62,8 +64,9 @@ def main(argv=None) -> None:
     print(f"{len(batches)} prompts x {args.new_tokens} tokens, {args.dtype}, {torch.get_num_threads()} thread(s)")
     for setting in args.settings:
         engine.config = dataclasses.replace(base, **setting).validate(engine.adapter.num_layers)
-        accepted, speed = run_setting(model, batches, args.new_tokens)
-        print(f"mean accepted {accepted:.3f}  tok/s {speed:6.2f}  {json.dumps(setting)}", flush=True)
+        accepted, drafted, speed = run_setting(model, batches, args.new_tokens)
+        print(f"mean accepted {accepted:.3f}  drafted {drafted:5.2f}  tok/s {speed:6.2f}  {json.dumps(setting)}",
+              flush=True)
 
 
 if __name__ == "__main__":
