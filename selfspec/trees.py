@@ -124,13 +124,19 @@ def gather_inputs(x: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index)
 
 
-def merge_branches(branches: list[list[int]], size: int) -> tuple[list[int], list[int]]:
+def merge_branches(branches: list[list[int]], size: int, base: tuple[list[int], list[int]] = ((), ())
+                   ) -> tuple[list[int], list[int]]:
     """Token chains that all start at the root -> (tokens, parents) of their trie, at most `size` nodes: chains
     sharing a prefix share its nodes, nodes come in chain order (each chain's new nodes after the earlier ones),
-    so parents precede children and earlier chains are tried first."""
+    so parents precede children and earlier chains are tried first.
+
+    base: a tree (tokens, parents) to graft the chains onto: its nodes come first, unchanged, and a chain follows
+    them as far as they hold its tokens, so no node gets two children of the same token (the second would be
+    verified for nothing: greedy takes the first, and sampling has removed its token from the residual)."""
+    tokens, parents = list(base[0]), list(base[1])
     index: dict[tuple[int, int], int] = {}  # (parent input, token) -> input index
-    tokens: list[int] = []
-    parents: list[int] = []
+    for i in reversed(range(len(tokens))):  # reversed: of equal siblings in a base, the first is the one tried
+        index[(parents[i], tokens[i])] = i + 1
     for chain in branches:
         parent = 0
         for token in chain:

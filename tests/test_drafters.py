@@ -270,6 +270,30 @@ def test_hybrid_trees_skip_the_head_where_every_row_matches(extend, k):
     assert any(n > 0 for path, runs in passes.items() if path != "ngram" for n in runs), passes
 
 
+def test_hybrid_trees_graft_branches_onto_the_heads_tree():
+    """Where the head's tree holds an n-gram branch's first tokens, the branch continues below the head's nodes
+    instead of hanging under the root as a second child of the same token, which verification would never reach
+    (greedy takes the first of equal siblings, and sampling removes the token from the residual): no proposed node
+    has a sibling of its own token, and the output stays identical. (Hung under the root, the branches give such
+    siblings here: the untrained head's top 4 of a 96-token vocabulary often hold the lookup's token.)"""
+    model = make_model("llama", LAYERS)
+    ids, mask = _repetitive_batch(seed=2, lengths=(14, 12, 11))
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=4, draft_tree_top_k=4,
+                  draft_tree_size=16, hybrid_extend=True, hybrid_min_match=1)
+    try:
+        engine = model.selfspec
+        used = engine.drafter_override = build_drafter(engine)
+        drafts, propose = [], used.propose
+        used.propose = lambda state, k: (drafts.append(propose(state, k)), drafts[-1])[1]
+        assert torch.equal(model.generate(ids, attention_mask=mask, **GEN), ref)
+    finally:
+        selfspec.unwrap(model)
+    trees = [(t[:n], p[:n]) for d in drafts if d.parents is not None
+             for t, p, n in zip(d.tokens.tolist(), d.parents.tolist(), d.draft_len.tolist())]
+    assert trees and all(len(set(zip(p, t))) == len(t) for t, p in trees), "a node has two children of one token"
+
+
 def test_hybrid_fallback_drafts_short_matches_the_head_declines():
     """No match is long enough to trust (min_match above ngram_max) and the head is never sure enough (threshold
     0.99): without fallback the hybrid drafts nothing; with it each row drafts its short match's continuation, some

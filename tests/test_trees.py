@@ -230,6 +230,11 @@ def test_merged_branches_share_their_prefixes():
     tokens, parents = merge_branches([[5, 6, 7], [5, 6, 9], [4], [5, 8]], size=10)
     assert tokens == [5, 6, 7, 9, 4, 8] and parents == [0, 1, 2, 2, 0, 1]
     assert merge_branches([[5, 6, 7], [4, 3]], size=4) == ([5, 6, 7, 4], [0, 1, 2, 0])  # cut at the size
+    # grafted onto a tree (the hybrid's head tree: 5 and 4 under the root, 6 under 5), chains follow its nodes
+    # while they hold their tokens and hang the rest below; the tree's own nodes stay first and unchanged
+    base = ([5, 4, 6], [0, 0, 1])
+    assert merge_branches([[5, 6, 7], [4, 8], [9]], size=10, base=base) == ([5, 4, 6, 7, 8, 9], [0, 0, 1, 3, 2, 0])
+    assert merge_branches([[5, 6, 7, 1]], size=4, base=base) == ([5, 4, 6, 7], [0, 0, 1, 3])  # size counts the base
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "hybrid"])

@@ -23,9 +23,9 @@ costs one early-exit pass over its n-gram tokens plus one per head token.
 When no row needs the head (every live row has a strong match and nothing to extend), the step is a plain n-gram
 draft: no early-exit pass, Draft.hidden = None, and the verifier runs all layers over the drafts in one pass.
 
-With draft trees (draft_tree_top_k > 1) each row's tree holds the n-gram branches (several earlier occurrences,
-when its match is strong) and the head's tree, grown in the nodes left; a step in which no row needs the head by
-the chain's rule (`rows_needing_head`) is a plain n-gram tree, with no early-exit pass.
+With draft trees (draft_tree_top_k > 1) each row's tree is the head's, grown in the nodes that the n-gram branches
+(several earlier occurrences, when its match is strong) leave, with the branches grafted onto it; a step in which
+no row needs the head by the chain's rule (`rows_needing_head`) is a plain n-gram tree, with no early-exit pass.
 
 In sampling mode q is one-hot on n-gram tokens (point mass: accepted with probability p(x), resampled from p with x
 removed) and the head's processed distribution on head tokens; both keep rejection sampling exact.
@@ -121,9 +121,10 @@ class HybridDrafter(Drafter):
                      hidden_layer=self.early.exit_layer)
 
     def _tree(self, state, k: int) -> Draft:
-        """One tree per row: the n-gram branches of rows with a strong match (>= min_match) grafted under the root
-        next to the head's tree, which grows in the nodes they leave of draft_tree_size. The head's run nodes
-        come first (their layer-E states are the draft's hidden); the verifier runs the rest."""
+        """One tree per row: the head's tree, grown in the nodes that the n-gram branches of rows with a strong
+        match (>= min_match) leave of draft_tree_size, with those branches grafted onto it (a branch follows the
+        head's nodes while they hold its tokens, then hangs below). The head's nodes come first (the layer-E
+        states of its run nodes are the draft's hidden); the verifier runs the rest."""
         size, top_k = state.settings.tree_size, state.settings.tree_top_k
         branches = self.ngram.branches(state, k, top_k, self.min_match)
         tokens, parents, lengths = pack_trees([merge_branches(b, size) for b in branches], state.device)
@@ -134,14 +135,9 @@ class HybridDrafter(Drafter):
             return branch_draft(state, tokens, parents, lengths)
         self.steps["tree" if tokens.shape[1] else "early_exit"] += 1
         head = grow_tree(state, self.early.run_level(state), k, top_k, size - tokens.shape[1], self.early.threshold)
-        width = head.tokens.shape[1]
-        parents = torch.where(parents > 0, parents + width, parents)  # n-gram nodes come after the head's
-        if width + tokens.shape[1] == 0:  # no tree at all: the root's states still spare the verifier [0, E)
+        if not any(branches):  # the head's tree alone (or none: the root's states still spare the verifier [0, E))
             return dataclasses.replace(head, hidden_layer=self.early.exit_layer)
-        head_parents = head.parents if head.parents is not None else head.tokens  # (B, 0): the head drafted none
-        return Draft(tokens=torch.cat([head.tokens, tokens], dim=1), draft_len=lengths + width,
-                     hidden=head.hidden, hidden_layer=self.early.exit_layer,
-                     parents=torch.cat([head_parents, parents], dim=1))
+        return _grafted(head, branches, size, self.early.exit_layer)
 
     def _tree_rows_needing_head(self, state, branches, k: int) -> torch.Tensor:
         """rows_needing_head for a tree step, from host lists (no device sync): a row's forced continuation is its
@@ -159,10 +155,24 @@ def rows_needing_head(live, strong, forced_len, ends_in_eos, k: int, extend: boo
     live, its match strong, how many tokens it forces and whether the last is an EOS): the one rule of chains and
     trees. Without `extend` a row with a strong match needs no head; with it, every live row does except one whose
     forced draft fills all k tokens or ends in an EOS. (A chain extends a short match with head tokens after it; a
-    tree grows the head's tree beside the n-gram branches, from the root.)"""
+    tree grows the head's tree from the root and grafts the n-gram branches onto it.)"""
     if not extend:
         return live & ~strong
     return live & (forced_len < k) & ~ends_in_eos
+
+
+def _grafted(head: Draft, branches, size: int, exit_layer: int) -> Draft:
+    """The head's tree (B, W) with each row's n-gram branches grafted onto it by merge_branches. Grafting, not
+    hanging the branches under the root beside it: where the head's node holds a branch's first token, a second
+    child of that token would be verified for nothing (greedy takes the first of equal siblings, the head's, and
+    with it loses the branch below the other; sampling has taken the token out of the residual)."""
+    width = head.tokens.shape[1]
+    bases = zip(head.tokens.tolist(), head.parents.tolist()) if width else [((), ())] * len(branches)  # one sync
+    grafts = [merge_branches(b, size, base) for b, base in zip(branches, bases)]
+    tokens, parents, lengths = pack_trees([(t[width:], p[width:]) for t, p in grafts], head.tokens.device)
+    head_parents = head.parents if width else head.tokens  # (B, 0): the head drafted none
+    return Draft(tokens=torch.cat([head.tokens, tokens], dim=1), draft_len=lengths + width, hidden=head.hidden,
+                 hidden_layer=exit_layer, parents=torch.cat([head_parents, parents], dim=1))
 
 
 def _ngram_draft(state, tokens, length) -> Draft:
