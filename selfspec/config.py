@@ -33,7 +33,8 @@ class SelfSpecConfig:
     hybrid_min_match: int = 2
     hybrid_extend: bool = True
     # ...and with hybrid_fallback a row whose match is shorter drafts that match's continuation when the head is
-    # not confident enough to draft (instead of drafting nothing).
+    # not confident enough to draft (instead of drafting nothing); in a tree, that match's branches join the
+    # head's tree.
     hybrid_fallback: bool = False
     # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
     metadata: dict = field(default_factory=dict)

@@ -294,17 +294,19 @@ def test_hybrid_trees_graft_branches_onto_the_heads_tree():
     assert trees and all(len(set(zip(p, t))) == len(t) for t, p in trees), "a node has two children of one token"
 
 
-def test_hybrid_fallback_drafts_short_matches_the_head_declines():
+@pytest.mark.parametrize("top_k", [1, 2])  # chains, then trees (whose head grows no node below 0.99 either)
+def test_hybrid_fallback_drafts_short_matches_the_head_declines(top_k):
     """No match is long enough to trust (min_match above ngram_max) and the head is never sure enough (threshold
-    0.99): without fallback the hybrid drafts nothing; with it each row drafts its short match's continuation, some
-    of it accepted, and the padded batch's output stays identical."""
+    0.99): without fallback the hybrid drafts nothing; with it each row drafts its short match's continuation (in a
+    tree, its branches), some of it accepted, and the padded batch's output stays identical."""
     model = make_model("llama", LAYERS)
     ids, mask = _repetitive_batch(seed=2)
     ref = model.generate(ids, attention_mask=mask, **GEN)
     drafted = {}
     for fallback in (False, True):
         out, stats, _ = _speculative(model, ids, mask, "hybrid", exit_layer=2, max_draft_tokens=4, ngram_max=2,
-                                     hybrid_min_match=3, draft_confidence_threshold=0.99, hybrid_fallback=fallback)
+                                     hybrid_min_match=3, draft_confidence_threshold=0.99, hybrid_fallback=fallback,
+                                     draft_tree_top_k=top_k, draft_tree_size=8)
         assert torch.equal(out, ref), fallback
         drafted[fallback] = (stats.drafted_tokens, stats.accepted_tokens)
     assert drafted[False] == (0, 0) and drafted[True][1] > 0, drafted
@@ -373,6 +375,10 @@ SAMPLING_CASES = {
     "ngram-tree": dict(drafter="ngram", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3, draft_tree_size=6),
     "hybrid-tree": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, hybrid_min_match=1, draft_tree_top_k=2,
                         draft_tree_size=6),
+    # the same short matches as hybrid-fallback, as branches grafted onto the head's tree
+    "hybrid-fallback-tree": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, ngram_max=2, hybrid_min_match=3,
+                                 draft_confidence_threshold=0.5, hybrid_fallback=True, draft_tree_top_k=2,
+                                 draft_tree_size=6),
     # a head that reads the previous position's final state (its own estimate after the first draft)
     "top-head": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, head="mlp-top"),
     "top-head-tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3,

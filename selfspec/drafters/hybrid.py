@@ -24,8 +24,9 @@ When no row needs the head (every live row has a strong match and nothing to ext
 draft: no early-exit pass, Draft.hidden = None, and the verifier runs all layers over the drafts in one pass.
 
 With draft trees (draft_tree_top_k > 1) each row's tree is the head's, grown in the nodes that the n-gram branches
-(several earlier occurrences, when its match is strong) leave, with the branches grafted onto it; a step in which
-no row needs the head by the chain's rule (`rows_needing_head`) is a plain n-gram tree, with no early-exit pass.
+(several earlier occurrences, when its match is strong) leave, with the branches grafted onto it (and with
+`fallback` a shorter match's in the nodes left); a step in which no row needs the head by the chain's rule
+(`rows_needing_head`) is a plain n-gram tree, with no early-exit pass.
 
 In sampling mode q is one-hot on n-gram tokens (point mass: accepted with probability p(x), resampled from p with x
 removed) and the head's processed distribution on head tokens; both keep rejection sampling exact.
@@ -123,18 +124,23 @@ class HybridDrafter(Drafter):
     def _tree(self, state, k: int) -> Draft:
         """One tree per row: the head's tree, grown in the nodes that the n-gram branches of rows with a strong
         match (>= min_match) leave of draft_tree_size, with those branches grafted onto it (a branch follows the
-        head's nodes while they hold its tokens, then hangs below). The head's nodes come first (the layer-E
-        states of its run nodes are the draft's hidden); the verifier runs the rest."""
+        head's nodes while they hold its tokens, then hangs below), and with fallback a shorter match's branches in
+        the nodes left. The head's nodes come first (the layer-E states of its run nodes are the draft's hidden);
+        the verifier runs the rest."""
         size, top_k = state.settings.tree_size, state.settings.tree_top_k
-        branches = self.ngram.branches(state, k, top_k, self.min_match)
-        tokens, parents, lengths = pack_trees([merge_branches(b, size) for b in branches], state.device)
-        if not bool(self._tree_rows_needing_head(state, branches, k).any()):
+        every, match = self.ngram.matched_branches(state, k, top_k)
+        strong = [b if m >= self.min_match else [] for b, m in zip(every, match)]
+        if not bool(self._tree_rows_needing_head(state, strong, k).any()):
             # the chain's rule says no row needs the head, so its level passes would only cost (the verifier
             # runs [0, E) over the n-gram nodes itself)
             self.steps["ngram"] += 1
-            return branch_draft(state, tokens, parents, lengths)
-        self.steps["tree" if tokens.shape[1] else "early_exit"] += 1
-        head = grow_tree(state, self.early.run_level(state), k, top_k, size - tokens.shape[1], self.early.threshold)
+            return branch_draft(state, *pack_trees([merge_branches(b, size) for b in strong], state.device))
+        taken = max((len(merge_branches(b, size)[0]) for b in strong), default=0)  # the widest row's trie
+        head = grow_tree(state, self.early.run_level(state), k, top_k, size - taken, self.early.threshold)
+        # with fallback, a short match's branches fill the nodes the head's tree leaves: many where the head is
+        # unsure (its tree stops at the threshold), as the chain drafts them where the head declines
+        branches = every if self.fallback else strong
+        self.steps["tree" if any(branches) else "early_exit"] += 1
         if not any(branches):  # the head's tree alone (or none: the root's states still spare the verifier [0, E))
             return dataclasses.replace(head, hidden_layer=self.early.exit_layer)
         return _grafted(head, branches, size, self.early.exit_layer)

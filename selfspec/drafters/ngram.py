@@ -158,17 +158,23 @@ class NgramDrafter(Drafter):
         """[row][branch] the continuations (up to k tokens, cut after an EOS) of the `count` most recent
         occurrences of each row's longest matched suffix, most recent first; none for finished rows and rows
         whose match is shorter than min_match."""
+        branches, match = self.matched_branches(state, k, count)
+        return [b if m >= min_match else [] for b, m in zip(branches, match)]
+
+    def matched_branches(self, state, k: int, count: int) -> tuple[list[list[list[int]]], list[int]]:
+        """branches() of every match, however short, and each row's match length (0: none, or finished)."""
         text, last = self.text_of(state)
         match, ends = suffix_matches(text, last, self.ngram_max, self.ngram_min, count)
-        match = match.masked_fill(state.finished | (match < min_match), 0)
+        match = match.masked_fill(state.finished, 0)
         chains = []
         for c in range(count):
             found = match.masked_fill(ends[:, c] < 0, 0)
             tokens, length = continuation(text, last, found, ends[:, c].clamp(min=0), k)
             chains.append((tokens, cut_after_eos(tokens, length, state.is_eos)))
-        tokens = torch.stack([t for t, _ in chains], dim=1).tolist()  # (B, count, k), one transfer
+        tokens = torch.stack([t for t, _ in chains], dim=1).tolist()  # (B, count, k)
         lengths = torch.stack([n for _, n in chains], dim=1).tolist()
-        return [[row[c][: n[c]] for c in range(count) if n[c]] for row, n in zip(tokens, lengths)]
+        branches = [[row[c][: n[c]] for c in range(count) if n[c]] for row, n in zip(tokens, lengths)]
+        return branches, match.tolist()
 
     def propose_tree(self, state, k: int) -> Draft:
         """The branches of every row merged into a trie of at most tree_size nodes (no hidden states: the verifier
