@@ -46,7 +46,7 @@ class MeasureSpec:
     max_prompts: int = 6  # calibration prompts taken from the prompt file (round-robin over categories)
     max_new_tokens: int = 40  # greedy tokens generated per prompt
     warmup_new_tokens: int = 4  # untimed generation with the trial's setting before timing it
-    timing_repeats: int = 5  # repeats of each cost-model micro-timing (median taken)
+    timing_repeats: int = 5  # repeats of each cost-model micro-timing (the fastest taken: load only adds time)
 
 
 @dataclass
