@@ -19,6 +19,10 @@ class SelfSpecConfig:
     # Stop drafting once the head's top probability falls below this (0 disables the early stop); a tree stops
     # growing once no child's cumulative draft probability reaches it.
     draft_confidence_threshold: float = 0.0
+    # With this, a chain judges its next draft by the product of the head's top probabilities along the chain so
+    # far (its path probability, as a tree scores nodes) instead of by that draft's alone: long where the head is
+    # sure draft after draft (a copy), short after two unsure ones.
+    draft_confidence_cumulative: bool = False
     # Draft trees (EAGLE-2 style): children expanded per node; 1 drafts a chain. max_draft_tokens is the depth.
     draft_tree_top_k: int = 1
     # Most drafted tokens per verify pass of a tree (nodes of all branches together); needs >= max_draft_tokens.
@@ -47,6 +51,9 @@ class SelfSpecConfig:
             raise ValueError(
                 f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}."
             )
+        if not isinstance(self.draft_confidence_cumulative, bool):
+            raise ValueError(f"draft_confidence_cumulative must be true or false, got "
+                             f"{self.draft_confidence_cumulative!r}.")
         known = registered_drafters()
         if self.drafter not in known:
             raise ValueError(f"drafter must be one of {known}, got {self.drafter!r} (register your own with "

@@ -10,7 +10,7 @@ import torch
 
 import selfspec
 from conftest import make_model, prompt
-from selfspec.drafters import DRAFTER_FACTORIES
+from selfspec.drafters import DRAFTER_FACTORIES, ConfidenceRule
 from selfspec.tools import cost_model
 from selfspec.tools.calibrate import (SEARCH_SPACES, SearchSpec, calibrate, default_space_path,
                                       load_calibration_texts, load_search_spec, pick_prompts, resolve_space)
@@ -52,10 +52,13 @@ def _answers(model, prompts, new_tokens):
 
 
 # --- cost model ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("exit_layer,k,quantile", [(1, 4, None), (3, 2, None), (2, 6, 0.3), (4, 3, 0.6)])
-def test_replay_counts_what_the_engine_does(exit_layer, k, quantile):
+@pytest.mark.parametrize("exit_layer,k,quantile,cumulative", [(1, 4, None, False), (3, 2, None, False),
+                                                               (2, 6, 0.3, False), (4, 3, 0.6, False),
+                                                               (2, 6, 0.05, True), (4, 3, 0.2, True)])
+def test_replay_counts_what_the_engine_does(exit_layer, k, quantile, cumulative):
     """simulate() over teacher-forced agreement gives the engine's own steps, drafts and acceptances, with and
-    without a confidence threshold (set at a quantile of the head's confidences, so that it bites)."""
+    without a confidence threshold (set at a quantile of the head's confidences, so that it bites), judging each
+    draft alone or the chain's path (draft_confidence_cumulative)."""
     model = make_model("llama", 6)
     prompts = _prompts(3)
     answers = _answers(model, prompts, 20)
@@ -64,9 +67,12 @@ def test_replay_counts_what_the_engine_does(exit_layer, k, quantile):
     acc = cost_model.measure_acceptance(model.selfspec, seqs, [exit_layer])[exit_layer]
     confs = sorted(c for seq in acc.conf for c in seq)
     threshold = 0.0 if quantile is None else confs[int(quantile * len(confs))]
-    model.selfspec.config = model.selfspec.config.replace(draft_confidence_threshold=threshold)
+    model.selfspec.config = model.selfspec.config.replace(draft_confidence_threshold=threshold,
+                                                          draft_confidence_cumulative=cumulative)
     eos = [[t == 2 for t in a.tolist()] for a in answers]
-    counts = cost_model.simulate(acc, eos, k, threshold, max_new_tokens=20)
+    counts = cost_model.simulate(acc, eos, k, ConfidenceRule(threshold, cumulative), max_new_tokens=20)
+    if cumulative:  # the rules part here, so a drafter that ignored the knob would not match the replay
+        assert cost_model.simulate(acc, eos, k, threshold, max_new_tokens=20).drafted > counts.drafted
     engine = dict(steps=0, drafted=0, accepted=0, new=0)
     for p in prompts:
         model.generate(p, max_new_tokens=20, **GEN)
@@ -167,6 +173,7 @@ def test_planted_optimum_is_found_first(tmp_path):
     first = result.report["trials"][0]
     params = dict(first["params"])
     assert params.pop("max_draft_tokens") in (3, 4)
+    params.pop("draft_confidence_cumulative")  # without a threshold either rule drafts K tokens
     assert params == {"drafter": "early_exit", "exit_layer": 2, "draft_confidence_threshold": 0.0}
     assert first["acceptance_rate"] == 1.0
     assert result.best.exit_layer == 2
@@ -304,6 +311,7 @@ def test_written_config_loads_and_generates_like_plain(tmp_path):
     ({"draft_tree_size": {"min": 1, "max": 4}}, r"draft_tree_size must be >= 2"),
     ({"hybrid_extend": ["yes"]}, r"space.hybrid_extend must be true, false or a list of them"),
     ({"hybrid_fallback": []}, r"space.hybrid_fallback must be true, false or a list of them"),
+    ({"draft_confidence_cumulative": "no"}, r"space.draft_confidence_cumulative must be true, false or a list"),
 ])
 def test_bad_space_fails_before_any_trial(tmp_path, space, message):
     model = make_model("llama", 6)

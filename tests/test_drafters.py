@@ -312,6 +312,24 @@ def test_hybrid_fallback_drafts_short_matches_the_head_declines(top_k):
     assert drafted[False] == (0, 0) and drafted[True][1] > 0, drafted
 
 
+@pytest.mark.parametrize("drafter", ["early_exit", "hybrid"])
+def test_cumulative_confidence_drafts_less_and_stays_identical(drafter):
+    """draft_confidence_cumulative judges a chain's next draft by the product of the top probabilities so far,
+    which only falls: at the same threshold it drafts fewer tokens than judging each draft alone (so the knob
+    reaches the drafter), and the padded batch's greedy output stays identical either way."""
+    model = make_model("llama", LAYERS)
+    ids, mask = _repetitive_batch(seed=1)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    drafted = {}
+    for cumulative in (False, True):
+        out, stats, _ = _speculative(model, ids, mask, drafter, exit_layer=2, max_draft_tokens=6,
+                                     draft_confidence_threshold=0.012, draft_confidence_cumulative=cumulative,
+                                     hybrid_min_match=3, ngram_max=2)
+        assert torch.equal(out, ref), cumulative
+        drafted[cumulative] = stats.drafted_tokens
+    assert 0 < drafted[True] < drafted[False], drafted
+
+
 # --- errors ---------------------------------------------------------------------------------------------------
 
 def test_draft_model_vocabulary_mismatch_is_named():

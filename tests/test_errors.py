@@ -64,10 +64,11 @@ def test_unknown_config_field():
         selfspec.wrap(make_model("llama", 4), exit_layr=2)
 
 
-def test_hybrid_fallback_must_be_a_bool():
+@pytest.mark.parametrize("field", ["hybrid_fallback", "draft_confidence_cumulative"])
+def test_switches_must_be_bools(field):
     """A YAML or JSON "yes"/"no" string would otherwise read as true."""
-    with pytest.raises(ValueError, match="hybrid_fallback must be true or false, got 'no'"):
-        selfspec.wrap(make_model("llama", 4), exit_layer=1, drafter="hybrid", hybrid_fallback="no")
+    with pytest.raises(ValueError, match=f"{field} must be true or false, got 'no'"):
+        selfspec.wrap(make_model("llama", 4), exit_layer=1, drafter="hybrid", **{field: "no"})
 
 
 @pytest.mark.parametrize("bad", [-1, 17, "5", True, 2.0])

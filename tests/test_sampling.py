@@ -51,10 +51,11 @@ def test_unwrapped_sampler_passes_the_check(model_and_prompt):
     assert min(_sampled_pvalues(model, prompt)) > ALPHA
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.15])
-def test_speculative_sampling_matches_target(model_and_prompt, threshold):
+@pytest.mark.parametrize("threshold,cumulative", [(0.0, False), (0.15, False), (0.15, True)])
+def test_speculative_sampling_matches_target(model_and_prompt, threshold, cumulative):
     model, prompt = model_and_prompt
-    selfspec.wrap(model, exit_layer=1, max_draft_tokens=2, draft_confidence_threshold=threshold)
+    selfspec.wrap(model, exit_layer=1, max_draft_tokens=2, draft_confidence_threshold=threshold,
+                  draft_confidence_cumulative=cumulative)
     try:
         pvalues = _sampled_pvalues(model, prompt)
         stats = model.selfspec.last_stats

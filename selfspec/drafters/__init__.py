@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import Draft, Drafter
+from .base import ConfidenceRule, Draft, Drafter
 from .early_exit import EarlyExitDrafter
 from .oracle import OracleDrafter
 from .oracle import from_engine as _oracle_from_engine
@@ -16,7 +16,7 @@ from .ngram import NgramDrafter
 # name -> factory(engine) -> Drafter; other modules add theirs with `register_drafter`.
 DRAFTER_FACTORIES: dict[str, Callable] = {
     "early_exit": lambda engine: EarlyExitDrafter(
-        engine.head_for(engine.config.exit_layer), engine.config.draft_confidence_threshold),
+        engine.head_for(engine.config.exit_layer), ConfidenceRule.of(engine.config)),
     "none": lambda engine: Drafter(),
     "oracle": _oracle_from_engine,  # needs engine.drafter_override; the factory says so
     "ngram": lambda engine: NgramDrafter(engine.config.ngram_max, engine.config.ngram_min),

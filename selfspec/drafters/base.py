@@ -62,17 +62,39 @@ class Drafter:
         """Called after verification and rollback; n (B,) drafts accepted per row."""
 
 
-def choose_draft(state, logits: torch.Tensor, column: int, threshold: float | None = None):
+@dataclass(frozen=True)
+class ConfidenceRule:
+    """When a chain stops drafting: once its next draft's confidence falls below `threshold` (0: never). That
+    confidence is the head's top probability for the draft, or with `cumulative` the product of the top
+    probabilities of the chain's drafts so far (the path probability a tree ranks its nodes by), so that two
+    unsure drafts in a row stop a chain that one sure draft after another (a copy) carries on. Tensors or
+    floats: the drafters and the cost model's replay judge drafts by this one rule."""
+
+    threshold: float = 0.0
+    cumulative: bool = False
+
+    @staticmethod
+    def of(config) -> "ConfidenceRule":
+        return ConfidenceRule(config.draft_confidence_threshold, config.draft_confidence_cumulative)
+
+    def confidence(self, before, top):
+        """The next draft's confidence, from the chain's draft before it (`before`; 1.0 at the first) and its own
+        top probability `top`."""
+        return before * top if self.cumulative else top
+
+    def confident(self, confidence):
+        return confidence >= self.threshold
+
+
+def choose_draft(state, logits: torch.Tensor, column: int, scored: bool = False):
     """The draft step of every drafter that scores the vocabulary: a drafter's raw (B, V) logits for draft column
     `column` go through the loop's logits processors (the prefix they read ends with the drafts of the earlier
     columns), then each row takes a sample of the processed distribution when sampling, else its argmax.
 
-    Returns (token (B,), probs, confident): probs (B, V) is the processed distribution (the q of rejection
-    sampling), computed when sampling or when a confidence `threshold` is given, else None; confident (B,) says
-    whether each row's top probability reaches `threshold` (all True without one)."""
+    Returns (token (B,), probs, top): probs (B, V) is the processed distribution (the q of rejection sampling),
+    computed when sampling or when `scored`, else None; top (B,) is its top probability when `scored` (what a
+    ConfidenceRule judges), else None."""
     logits = state.process(logits[:, None], offset=column)[:, 0]
-    probs = logits_to_probs(logits) if (state.do_sample or threshold is not None) else None
+    probs = logits_to_probs(logits) if (state.do_sample or scored) else None
     token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
-    if threshold is None:
-        return token, probs, torch.ones_like(token, dtype=torch.bool)
-    return token, probs, probs.max(dim=-1).values >= threshold
+    return token, probs, probs.max(dim=-1).values if scored else None

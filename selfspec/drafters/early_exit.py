@@ -8,7 +8,7 @@ import torch
 from ..cache import SpecCache
 from ..forward import forward_early, run_module
 from ..heads import ExitHead, draft_logits, full_vocab_logits
-from .base import Draft, Drafter, choose_draft
+from .base import ConfidenceRule, Draft, Drafter, choose_draft
 from .ngram import _PAD, NgramDrafter, copy_candidates
 from .tree import grow_tree
 
@@ -18,10 +18,11 @@ class EarlyExitDrafter(Drafter):
     uses_early_layers = True
     drafts_trees = True
 
-    def __init__(self, head: ExitHead, confidence_threshold: float = 0.0):
+    def __init__(self, head: ExitHead, rule: ConfidenceRule | float = ConfidenceRule()):
         self.head = head
         self.exit_layer = head.exit_layer
-        self.threshold = confidence_threshold
+        self.rule = rule if isinstance(rule, ConfidenceRule) else ConfidenceRule(float(rule))  # a bare threshold
+        self.threshold = rule.threshold  # a tree's: its nodes' path probabilities must reach it (tree.py)
         self.head_cache: HeadCache | None = None
         # a head with a KV cache of its own takes the prompt in first; a top-reading head its last final state
         self.needs_prompt_hidden = head.stateful or head.reads_top
@@ -95,11 +96,13 @@ class EarlyExitDrafter(Drafter):
         active = ~state.finished
         draft_len = torch.zeros_like(state.pending)
         hiddens, tokens, qs = [], [], []
+        confidence = 1.0
         for j in range(k):
             h, logits = self.run(state, x[:, None], state.pos[:, None] + j)
             hiddens.append(h)
-            token, probs, confident = choose_draft(state, logits, j, self.threshold)
-            take = active & confident
+            token, probs, top = choose_draft(state, logits, j, scored=True)
+            confidence = self.rule.confidence(confidence, top)
+            take = active & self.rule.confident(confidence)
             draft_len += take.long()
             active = take & ~state.is_eos(token)  # nothing is drafted after an EOS
             tokens.append(token)

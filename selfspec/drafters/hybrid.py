@@ -39,7 +39,7 @@ from collections import Counter
 import torch
 
 from ..trees import merge_branches, pack_trees
-from .base import Draft, Drafter, choose_draft
+from .base import ConfidenceRule, Draft, Drafter, choose_draft
 from .early_exit import EarlyExitDrafter
 from .ngram import NgramDrafter, branch_draft
 from .tree import grow_tree
@@ -97,6 +97,7 @@ class HybridDrafter(Drafter):
         state.write_drafts(tokens)  # the n-gram prefixes (later columns are overwritten as rows extend)
         draft_len = forced_len.clone()
         hiddens, head_q = [], []  # head_q: (column, rows that took the head's token, (B, V) probs)
+        confidence = torch.ones(tokens.shape[0], device=tokens.device)  # over each row's head drafts (rule.cumulative)
         fed = 0
         while bool(extending.any()):
             end = int(draft_len.masked_fill(~extending, k).min()) + 1
@@ -106,8 +107,10 @@ class HybridDrafter(Drafter):
             hiddens.append(h)
             fed, col = end, end - 1
             proposing = extending & (draft_len == col)
-            token, probs, confident = choose_draft(state, logits, col, self.early.threshold)
-            take = proposing & confident
+            token, probs, top = choose_draft(state, logits, col, scored=True)
+            judged = self.early.rule.confidence(confidence, top)
+            take = proposing & self.early.rule.confident(judged)
+            confidence = torch.where(take, judged, confidence)  # forced n-gram tokens do not count
             tokens[:, col] = torch.where(take, token, tokens[:, col])
             state.write_drafts(tokens[:, col : col + 1], start=col)
             if state.do_sample:
@@ -200,6 +203,6 @@ def _mixed_q(tokens, head_q, vocab: int):
 
 def from_engine(engine) -> HybridDrafter:
     cfg = engine.config
-    early = EarlyExitDrafter(engine.head_for(cfg.exit_layer), cfg.draft_confidence_threshold)
+    early = EarlyExitDrafter(engine.head_for(cfg.exit_layer), ConfidenceRule.of(cfg))
     return HybridDrafter(early, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.hybrid_min_match, cfg.hybrid_extend,
                          cfg.hybrid_fallback)

@@ -588,7 +588,8 @@ def engine_settings(config: SelfSpecConfig) -> str:
     if config.drafter in ("early_exit", "hybrid"):
         parts.insert(0, f"E={config.exit_layer}")
         if config.draft_confidence_threshold:
-            parts.append(f"threshold {config.draft_confidence_threshold:g}")
+            path = " on the path" if config.draft_confidence_cumulative and config.draft_tree_top_k == 1 else ""
+            parts.append(f"threshold {config.draft_confidence_threshold:g}{path}")
     if config.draft_tree_top_k > 1:
         parts.append(f"trees of top-{config.draft_tree_top_k}, {config.draft_tree_size} nodes")
     if config.drafter in ("ngram", "hybrid"):

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from ..cache import SlotTable, SpecCache
+from ..drafters.base import ConfidenceRule
 from ..drafters.early_exit import EarlyExitDrafter
 from ..forward import StepContext, forward_early, forward_prompt
 from ..heads import teacher_forced_copy_logits, teacher_forced_logits
@@ -245,12 +246,14 @@ class Counts:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def _draft_block(agree, conf, start: int, k: int, threshold: float, eos: list[bool]) -> tuple[int, int, int]:
+def _draft_block(agree, conf, start: int, k: int, rule: ConfidenceRule, eos: list[bool]) -> tuple[int, int, int]:
     """One step of the early-exit drafter from answer token `start`: (passes, drafted, accepted)."""
     passes = drafted = 0
+    confidence = 1.0
     for j in range(k):
         passes += 1
-        if conf[start + j] < threshold:
+        confidence = rule.confidence(confidence, conf[start + j])
+        if not rule.confident(confidence):
             break
         drafted += 1
         if eos[start + j]:
@@ -265,15 +268,17 @@ def _max_new(answer_len: int, is_eos: list[bool], max_new_tokens: int | None) ->
     return answer_len + (1 if is_eos and is_eos[-1] else 0)
 
 
-def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold: float,
+def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold: float | ConfidenceRule,
              max_new_tokens: int | None = None) -> Counts:
     """Replay the engine's greedy loop (replay.replay_greedy: its draft budget and acceptance rule) over the
-    teacher-forced agreement of one exit layer, for answers generated with `max_new_tokens`."""
+    teacher-forced agreement of one exit layer, for answers generated with `max_new_tokens`. A threshold alone
+    judges each draft by its own top probability (ConfidenceRule(threshold))."""
+    rule = threshold if isinstance(threshold, ConfidenceRule) else ConfidenceRule(threshold)
     c = Counts()
     for agree, conf, is_eos in zip(acc.agree, acc.conf, eos):
 
         def step(done: int, k: int) -> int:
-            passes, drafted, accepted = _draft_block(agree, conf, done, k, threshold, is_eos)
+            passes, drafted, accepted = _draft_block(agree, conf, done, k, rule, is_eos)
             hidden_kept = min(passes, drafted + 1)
             c.fresh_early += (drafted + 1) - hidden_kept
             c.verify_width[drafted + 1] = c.verify_width.get(drafted + 1, 0) + 1
@@ -396,13 +401,14 @@ def predict_seconds(counts: Counts, timings: Timings, exit_layer: int) -> float:
     return sum(t.prefill) + draft + fresh + verify + counts.steps * t.step_overhead
 
 
-def predict(acc: LayerAcceptance, eos: list[list[bool]], timings: Timings, k_max: int, threshold: float,
+def predict(acc: LayerAcceptance, eos: list[list[bool]], timings: Timings, k_max: int, rule: ConfidenceRule,
             max_new_tokens: int | None = None, tree: tuple[int, int] | None = None) -> Prediction:
-    """tree: (top_k, size) of draft trees; None or top_k 1 for chains."""
+    """tree: (top_k, size) of draft trees; None or top_k 1 for chains (a tree's threshold is on path
+    probabilities whatever the rule says of chains)."""
     if tree is not None and tree[0] > 1:
-        counts = simulate_tree(acc, eos, k_max, tree[0], tree[1], threshold, max_new_tokens)
+        counts = simulate_tree(acc, eos, k_max, tree[0], tree[1], rule.threshold, max_new_tokens)
     else:
-        counts = simulate(acc, eos, k_max, threshold, max_new_tokens)
+        counts = simulate(acc, eos, k_max, rule, max_new_tokens)
     seconds = predict_seconds(counts, timings, acc.exit_layer)
     return Prediction(counts.new_tokens / seconds if seconds > 0 else 0.0, seconds,
                       counts.mean_accepted_tokens, counts.acceptance_rate)

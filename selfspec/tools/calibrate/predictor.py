@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import SelfSpecConfig
+from ...drafters.base import ConfidenceRule
 from .. import cost_model
 from ..measure import eos_ids_of
 from .space import MeasureSpec, SearchSpace, effective_params, tree_key, trial_config
@@ -50,7 +51,9 @@ class Predictor:
             run = effective_params(params)  # the setting as the engine runs it (a tree's size raised to K)
             tree = (run.get("draft_tree_top_k", 1), run.get("draft_tree_size", 0))
             return cost_model.predict(self.acceptance[run["exit_layer"]], self.eos, self.timings,
-                                      run["max_draft_tokens"], run["draft_confidence_threshold"],
+                                      run["max_draft_tokens"],
+                                      ConfidenceRule(run["draft_confidence_threshold"],
+                                                     run.get("draft_confidence_cumulative", False)),
                                       self.max_new_tokens, tree)
         if drafter == "ngram" and self.ngram.get("lookup_seconds") is not None:
             counts = cost_model.simulate_ngram(self.sequences, self._ngram_proposals(params["ngram_max"]), self.eos,
@@ -72,7 +75,8 @@ class Predictor:
                 for k in ks:
                     for thr in space.threshold_grid():
                         for top_k, size in (space.tree_shapes() if space.searches_trees else [(None, 0)]):
-                            self.predict(_early_params(e, k, thr, top_k, size))
+                            for cumulative in (space.cumulative if (top_k or 1) == 1 else [None]):
+                                self.predict(_early_params(e, k, thr, top_k, size, cumulative))
         if "ngram" in space.drafters:
             for k in ks:
                 for n in space.ngram_max:
@@ -104,14 +108,18 @@ class Predictor:
                 for e, a in self.acceptance.items()}
 
 
-def _early_params(exit_layer: int, k: int, threshold: float, top_k: int | None = None, size: int = 0) -> dict:
-    """The params `suggest` gives an early-exit trial: tree keys only when the space searches trees."""
+def _early_params(exit_layer: int, k: int, threshold: float, top_k: int | None = None, size: int = 0,
+                  cumulative: bool | None = None) -> dict:
+    """The params `suggest` gives an early-exit trial: tree keys only when the space searches trees, the chain's
+    confidence rule only for chains."""
     params = {"drafter": "early_exit", "exit_layer": exit_layer, "max_draft_tokens": k,
               "draft_confidence_threshold": threshold}
     if top_k is not None:
         params["draft_tree_top_k"] = top_k
     if top_k is not None and top_k > 1:
         params["draft_tree_size"] = size
+    if cumulative is not None:
+        params["draft_confidence_cumulative"] = cumulative
     return params
 
 

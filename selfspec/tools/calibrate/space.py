@@ -29,6 +29,8 @@ class SpaceSpec:
     exit_layer: object = "auto"  # "auto" | [list] | {min, max, step}
     max_draft_tokens: object = field(default_factory=lambda: {"min": 1, "max": 8})
     draft_confidence_threshold: object = field(default_factory=lambda: {"min": 0.0, "max": 0.9, "step": 0.1})
+    # early_exit and hybrid chains: judge a draft by its own top probability (false) or the chain's path (true)
+    draft_confidence_cumulative: object = field(default_factory=lambda: [False, True])
     drafter: object = field(default_factory=lambda: ["early_exit", "ngram", "hybrid"])
     ngram_max: object = field(default_factory=lambda: {"min": 2, "max": 5})
     hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
@@ -132,6 +134,7 @@ class SearchSpace:
     hybrid_min_match: list[int] = field(default_factory=lambda: [2])
     hybrid_extend: list[bool] = field(default_factory=lambda: [True])
     hybrid_fallback: list[bool] = field(default_factory=lambda: [False])
+    cumulative: list[bool] = field(default_factory=lambda: [False])  # draft_confidence_cumulative of chains
     tree_top_k: list[int] = field(default_factory=lambda: [1])
     tree_sizes: list[int] = field(default_factory=lambda: [8])
 
@@ -206,6 +209,7 @@ def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], reg
         hybrid_min_match=_int_range(s.hybrid_min_match, "hybrid_min_match", src),
         hybrid_extend=extend,
         hybrid_fallback=fallback,
+        cumulative=_bools(s.draft_confidence_cumulative, "draft_confidence_cumulative", src),
         tree_top_k=_int_range(s.draft_tree_top_k, "draft_tree_top_k", src),
         tree_sizes=_int_range(s.draft_tree_size, "draft_tree_size", src, minimum=2))
 
@@ -260,6 +264,9 @@ def suggest(trial, space: SearchSpace) -> dict:
         params["draft_tree_top_k"] = _suggest_from(trial, "draft_tree_top_k", space.tree_top_k)
         if params["draft_tree_top_k"] > 1:
             params["draft_tree_size"] = _suggest_from(trial, "draft_tree_size", space.tree_sizes)
+    if params["drafter"] in EXIT_DRAFTERS and params.get("draft_tree_top_k", 1) == 1:  # a tree's is on the path
+        params["draft_confidence_cumulative"] = trial.suggest_categorical("draft_confidence_cumulative",
+                                                                          space.cumulative)
     if params["drafter"] in NGRAM_DRAFTERS:
         params["ngram_max"] = _suggest_from(trial, "ngram_max", space.ngram_max)
     if params["drafter"] == "hybrid":
@@ -327,7 +334,8 @@ def in_space(params: dict, space: SearchSpace) -> bool:
         return False
     allowed = {"max_draft_tokens": space.max_draft_tokens, "ngram_max": space.ngram_max,
                "hybrid_min_match": space.hybrid_min_match, "hybrid_extend": space.hybrid_extend,
-               "hybrid_fallback": space.hybrid_fallback, "draft_tree_top_k": space.tree_top_k,
+               "hybrid_fallback": space.hybrid_fallback, "draft_confidence_cumulative": space.cumulative,
+               "draft_tree_top_k": space.tree_top_k,
                "draft_tree_size": space.tree_sizes}
     if params["drafter"] in EXIT_DRAFTERS:
         allowed["exit_layer"] = space.exit_layers
@@ -345,6 +353,7 @@ def tree_key(params: dict) -> str:
 def describe(params: dict) -> str:
     parts = [params["drafter"]]
     for key, short in (("exit_layer", "E"), ("max_draft_tokens", "K"), ("draft_confidence_threshold", "thr"),
+                       ("draft_confidence_cumulative", "path"),
                        ("draft_tree_top_k", "top_k"), ("draft_tree_size", "size"), ("ngram_max", "n"),
                        ("hybrid_min_match", "match"), ("hybrid_extend", "extend"),
                        ("hybrid_fallback", "fallback")):

@@ -166,6 +166,8 @@ def enqueue_predicted(study, predictor: Predictor | None, space: SearchSpace, to
             params.update({k: early[k] for k in ("exit_layer", "draft_confidence_threshold")} if early else
                           {"exit_layer": space.exit_layers[len(space.exit_layers) // 2],
                            "draft_confidence_threshold": space.thresholds[0]})
+            params["draft_confidence_cumulative"] = (early or {}).get("draft_confidence_cumulative",
+                                                                      space.cumulative[0])
         params["ngram_max"] = _nearest(space.ngram_max, 3)
         if drafter == "hybrid":
             params["hybrid_min_match"] = _nearest(space.hybrid_min_match, 2)
