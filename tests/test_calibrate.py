@@ -489,6 +489,23 @@ def test_a_recalibration_measures_the_previous_bests_again(tmp_path):
                                                                                       "max_draft_tokens": 3}
 
 
+def test_previous_bests_from_before_the_path_rule_are_measured_with_the_rule_they_ran():
+    """A per_drafter chain recorded before draft_confidence_cumulative existed ran the per-draft rule: it is queued
+    with cumulative false, not left to the sampler (which could measure the old best with the other rule)."""
+    from selfspec.config import SelfSpecConfig
+    from selfspec.tools.calibrate.study import enqueue_previous
+
+    old = {"drafter": "early_exit", "exit_layer": 2, "max_draft_tokens": 3, "draft_confidence_threshold": 0.0,
+           "draft_tree_top_k": 1}
+    base = SelfSpecConfig(metadata={"calibration": {"per_drafter": {"early_exit": old}}})
+    space = resolve_space(_spec(exit_layer=[2], draft_confidence_cumulative=[True, False]), 4, [],
+                          DRAFTER_FACTORIES)
+    study = optuna.create_study(direction="maximize")
+    enqueue_previous(study, base, space, log=lambda line: None)
+    (queued,) = study.get_trials(deepcopy=False)
+    assert queued.system_attrs["fixed_params"] == {**old, "draft_confidence_cumulative": False}
+
+
 def test_tree_replay_keeps_only_what_the_size_holds():
     """Top-4 children of the root fill a 4-node tree: nothing lies deeper, so even a head always right accepts one
     draft a step (the replay once grew a level beyond the size and predicted 2.4 tokens a step for such trees,

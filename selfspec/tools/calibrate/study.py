@@ -191,6 +191,8 @@ def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log) -> No
     seen = [t.params for t in study.get_trials(deepcopy=False)]
     fresh = []
     for params in previous.values():
+        if params.get("drafter") in EXIT_DRAFTERS and params.get("draft_tree_top_k", 1) == 1:
+            params = {"draft_confidence_cumulative": False, **params}  # what a config from before the knob ran
         if in_space(params, space) and params not in seen and params not in fresh:
             fresh.append(params)
     for params in fresh:
