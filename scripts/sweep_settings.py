@@ -7,8 +7,9 @@
 
 Each argument is a JSON object of SelfSpecConfig fields laid over the heads' config (the shipped one by default).
 Greedy; acceptance and drafted tokens a step (a tree's nodes) are what `generate` reports, so they do not depend
-on load. Tokens/s are one pass per setting, one setting after another: a quick look at a trade-off, not a
-benchmark (`selfspec bench` interleaves methods prompt by prompt and compares with plain `generate`).
+on load. The settings take turns prompt by prompt (each prompt runs under every setting before the next prompt),
+so that load drifting on a shared machine hits them alike and their tokens/s compare side by side; still a quick
+look at a trade-off, not a benchmark (`selfspec bench` also times plain `generate` and judges every output).
 """
 from __future__ import annotations
 
@@ -32,20 +33,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_setting(model, batches, new_tokens: int) -> tuple[float, float, float]:
-    """(mean accepted tokens per verify step, drafted tokens (tree nodes) per step, tokens/s) over the batches
-    with the model's current config."""
-    tokens = steps = drafted = 0
-    seconds = 0.0
-    for batch in batches:
-        start = time.perf_counter()
-        model.generate(batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=new_tokens,
-                       do_sample=False)
-        seconds += time.perf_counter() - start
-        stats = model.selfspec.last_stats
-        tokens, steps = tokens + stats.new_tokens, steps + stats.verify_steps
-        drafted += stats.drafted_tokens
-    return tokens / steps, drafted / steps, tokens / seconds
+@dataclasses.dataclass
+class Tally:
+    """One setting's totals over the prompts run so far."""
+
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    seconds: float = 0.0
+
+    def add(self, stats, seconds: float) -> None:
+        self.tokens, self.steps = self.tokens + stats.new_tokens, self.steps + stats.verify_steps
+        self.drafted, self.seconds = self.drafted + stats.drafted_tokens, self.seconds + seconds
+
+    def line(self) -> str:
+        """mean accepted tokens per verify step, drafted tokens (tree nodes) per step, tokens/s"""
+        return (f"mean accepted {self.tokens / self.steps:.3f}  drafted {self.drafted / self.steps:5.2f}  "
+                f"tok/s {self.tokens / self.seconds:6.2f}")
+
+
+def run_prompt(model, batch, new_tokens: int, tally: Tally) -> None:
+    """One greedy generate with the model's current config, added to `tally`."""
+    start = time.perf_counter()
+    model.generate(batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=new_tokens, do_sample=False)
+    tally.add(model.selfspec.last_stats, time.perf_counter() - start)
 
 
 def main(argv=None) -> None:
@@ -62,11 +73,14 @@ def main(argv=None) -> None:
     base = engine.config
     batches = make_batches(tok, load_prompts(split="eval", limit_per_category=args.limit), 1)
     print(f"{len(batches)} prompts x {args.new_tokens} tokens, {args.dtype}, {torch.get_num_threads()} thread(s)")
-    for setting in args.settings:
-        engine.config = dataclasses.replace(base, **setting).validate(engine.adapter.num_layers)
-        accepted, drafted, speed = run_setting(model, batches, args.new_tokens)
-        print(f"mean accepted {accepted:.3f}  drafted {drafted:5.2f}  tok/s {speed:6.2f}  {json.dumps(setting)}",
-              flush=True)
+    configs = [dataclasses.replace(base, **s).validate(engine.adapter.num_layers) for s in args.settings]
+    tallies = [Tally() for _ in configs]
+    for batch in batches:
+        for config, tally in zip(configs, tallies):
+            engine.config = config
+            run_prompt(model, batch, args.new_tokens, tally)
+    for setting, tally in zip(args.settings, tallies):
+        print(f"{tally.line()}  {json.dumps(setting)}")
 
 
 if __name__ == "__main__":
