@@ -122,3 +122,13 @@ def test_inputs_left_in_the_early_layers_without_their_states_are_refused(model)
             _plain(model, prompt(seed=1, length=6))
     finally:
         selfspec.unwrap(model)
+
+
+def test_an_early_exit_drafter_built_by_hand_takes_a_rule_or_a_bare_threshold():
+    """EarlyExitDrafter(head, 0.3) is what user code wrote before ConfidenceRule: it still means a per-draft rule."""
+    from selfspec.drafters import ConfidenceRule
+
+    by_number = EarlyExitDrafter(ExitHead(2), 0.3)
+    assert by_number.rule == ConfidenceRule(0.3) and by_number.threshold == 0.3
+    by_rule = EarlyExitDrafter(ExitHead(2), ConfidenceRule(0.2, cumulative=True))
+    assert by_rule.rule.cumulative and by_rule.threshold == 0.2

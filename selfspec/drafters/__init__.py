@@ -36,4 +36,5 @@ def build_drafter(engine) -> Drafter:
     return DRAFTER_FACTORIES[name](engine)
 
 
-__all__ = ["Draft", "Drafter", "EarlyExitDrafter", "build_drafter", "register_drafter", "DRAFTER_FACTORIES"]
+__all__ = ["ConfidenceRule", "Draft", "Drafter", "EarlyExitDrafter", "build_drafter", "register_drafter",
+           "DRAFTER_FACTORIES"]

@@ -66,9 +66,9 @@ class Drafter:
 class ConfidenceRule:
     """When a chain stops drafting: once its next draft's confidence falls below `threshold` (0: never). That
     confidence is the head's top probability for the draft, or with `cumulative` the product of the top
-    probabilities of the chain's drafts so far (the path probability a tree ranks its nodes by), so that two
-    unsure drafts in a row stop a chain that one sure draft after another (a copy) carries on. Tensors or
-    floats: the drafters and the cost model's replay judge drafts by this one rule."""
+    probabilities of the chain's drafts so far (the path probability a tree ranks its nodes by): a run of sure
+    drafts (a copy) goes on, and two unsure ones in a row end the chain. Tensors or floats: the drafters and the
+    cost model's replay judge drafts by this one rule."""
 
     threshold: float = 0.0
     cumulative: bool = False

@@ -22,7 +22,7 @@ class EarlyExitDrafter(Drafter):
         self.head = head
         self.exit_layer = head.exit_layer
         self.rule = rule if isinstance(rule, ConfidenceRule) else ConfidenceRule(float(rule))  # a bare threshold
-        self.threshold = rule.threshold  # a tree's: its nodes' path probabilities must reach it (tree.py)
+        self.threshold = self.rule.threshold  # a tree's: its nodes' path probabilities must reach it (tree.py)
         self.head_cache: HeadCache | None = None
         # a head with a KV cache of its own takes the prompt in first; a top-reading head its last final state
         self.needs_prompt_hidden = head.stateful or head.reads_top

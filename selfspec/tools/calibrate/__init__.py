@@ -5,12 +5,12 @@ device, with an Optuna study whose trials are real timed generations.
                        [--storage URL] [--output DIR] [--space smollm2-135m | FILE.yaml]
     python -m selfspec.calibrate ...   # the same
 
-Searched: exit layer, max_draft_tokens, draft_confidence_threshold (and a chain's rule for it), the drafter (early_exit, and ngram / hybrid
-when registered) and ngram_max. The objective is generated tokens/s of greedy `generate` over the calibration
-prompts, with warm-up and device synchronisation. A cost model (../cost_model.py) measured once per exit layer
-predicts every early-exit setting first: the predicted best are enqueued as the first trials and settings
-predicted far below the best measured so far are pruned unmeasured. The best setting is re-timed against plain
-`generate` in the same run and written to --output with a Markdown + JSON report.
+Searched: exit layer, max_draft_tokens, draft_confidence_threshold (and a chain's rule for it), the drafter
+(early_exit, and ngram / hybrid when registered) and ngram_max. The objective is generated tokens/s of greedy
+`generate` over the calibration prompts, with warm-up and device synchronisation. A cost model (../cost_model.py)
+measured once per exit layer predicts every early-exit setting first: the predicted best are enqueued as the first
+trials and settings predicted far below the best measured so far are pruned unmeasured. The best setting is re-timed
+against plain `generate` in the same run and written to --output with a Markdown + JSON report.
 
 Modules: space.py (the YAML specification and the resolved space), trials.py (prompts and timed generation),
 predictor.py (the cost model's predictions over the space), study.py (the Optuna study and `calibrate`),
