@@ -22,12 +22,16 @@ class EarlyExitDrafter(Drafter):
         self.head = head
         self.exit_layer = head.exit_layer
         self.rule = rule if isinstance(rule, ConfidenceRule) else ConfidenceRule(float(rule))  # a bare threshold
-        self.threshold = self.rule.threshold  # a tree's: its nodes' path probabilities must reach it (tree.py)
         self.head_cache: HeadCache | None = None
         # a head with a KV cache of its own takes the prompt in first; a top-reading head its last final state
         self.needs_prompt_hidden = head.stateful or head.reads_top
         self.tops = TopStates() if head.reads_top else None
         self.copies = CopyPaths(head.copy_max) if head.copy_max else None
+
+    @property
+    def threshold(self) -> float:
+        """The rule's threshold, which a tree's nodes' path probabilities must reach (tree.py)."""
+        return self.rule.threshold
 
     def begin(self, state) -> None:
         self.head_cache = HeadCache(self.head, state) if self.head.stateful else None

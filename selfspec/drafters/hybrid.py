@@ -41,7 +41,7 @@ import torch
 from ..trees import merge_branches, pack_trees
 from .base import ConfidenceRule, Draft, Drafter, choose_draft
 from .early_exit import EarlyExitDrafter
-from .ngram import NgramDrafter, branch_draft
+from .ngram import NgramDrafter, branch_draft, strong_only
 from .tree import grow_tree
 
 
@@ -132,13 +132,14 @@ class HybridDrafter(Drafter):
         the verifier runs the rest."""
         size, top_k = state.settings.tree_size, state.settings.tree_top_k
         every, match = self.ngram.matched_branches(state, k, top_k)
-        strong = [b if m >= self.min_match else [] for b, m in zip(every, match)]
+        strong = strong_only(every, match, self.min_match)
+        tries = [merge_branches(b, size) for b in strong]
         if not bool(self._tree_rows_needing_head(state, strong, k).any()):
             # the chain's rule says no row needs the head, so its level passes would only cost (the verifier
             # runs [0, E) over the n-gram nodes itself)
             self.steps["ngram"] += 1
-            return branch_draft(state, *pack_trees([merge_branches(b, size) for b in strong], state.device))
-        taken = max((len(merge_branches(b, size)[0]) for b in strong), default=0)  # the widest row's trie
+            return branch_draft(state, *pack_trees(tries, state.device))
+        taken = max((len(tokens) for tokens, _ in tries), default=0)  # the widest row's trie
         head = grow_tree(state, self.early.run_level(state), k, top_k, size - taken, self.early.threshold)
         # with fallback, a short match's branches fill the nodes the head's tree leaves: many where the head is
         # unsure (its tree stops at the threshold), as the chain drafts them where the head declines

@@ -115,6 +115,12 @@ def cut_after_eos(tokens: torch.Tensor, length: torch.Tensor, is_eos) -> torch.T
     return torch.minimum(length, first)
 
 
+def strong_only(branches: list, match: list[int], min_match: int) -> list:
+    """[row] branches (matched_branches' first value) with none left for rows whose match is shorter than
+    min_match."""
+    return [b if m >= min_match else [] for b, m in zip(branches, match)]
+
+
 def branch_draft(state, tokens: torch.Tensor, parents: torch.Tensor, draft_len: torch.Tensor) -> Draft:
     """Packed n-gram trees (trees.pack_trees: (B, N) tokens and parents, (B,) nodes per row) as a tree draft with no
     hidden states, so the verifier runs every layer over it; empty when no row has a node."""
@@ -158,8 +164,7 @@ class NgramDrafter(Drafter):
         """[row][branch] the continuations (up to k tokens, cut after an EOS) of the `count` most recent
         occurrences of each row's longest matched suffix, most recent first; none for finished rows and rows
         whose match is shorter than min_match."""
-        branches, match = self.matched_branches(state, k, count)
-        return [b if m >= min_match else [] for b, m in zip(branches, match)]
+        return strong_only(*self.matched_branches(state, k, count), min_match)
 
     def matched_branches(self, state, k: int, count: int) -> tuple[list[list[list[int]]], list[int]]:
         """branches() of every match, however short, and each row's match length (0: none, or finished)."""
