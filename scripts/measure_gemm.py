@@ -3,12 +3,14 @@ tokens costs what it does on this CPU.
 
     OMP_NUM_THREADS=1 python scripts/measure_gemm.py --threads 1
     python scripts/measure_gemm.py --shape 576 1536 --tokens 1 15 64 256 --dtypes bfloat16 float32
+    python scripts/measure_gemm.py --dtypes bfloat16 bfloat16-packed    # oneDNN's prepacked weight (pack_weights)
 
 A decoding step reads every weight once: at M=1 a matmul is bound by memory, and a pass over M tokens costs
 about the same while the extra multiply-adds fit in the time the weights take to arrive. Once they do not, the
 pass grows with M, at the rate the CPU computes in that dtype. The table gives GFLOP/s (2 * M * in * out per
 call) for SmolLM2-135M's MLP shape by default, the weight reused across calls (so held in cache: the compute
-side of the trade); scripts/measure_pass_cost.py times whole passes.
+side of the trade); scripts/measure_pass_cost.py times whole passes. bfloat16-packed calls the weight prepacked
+in oneDNN's layout once (selfspec.pack_weights), where a plain bf16 call reorders it every time.
 """
 from __future__ import annotations
 
@@ -29,17 +31,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def seconds_per_call(x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:
-    """Fastest of three rounds of `repeats` calls of F.linear(x, weight), in seconds per call."""
+def seconds_per_call(x: torch.Tensor, linear, repeats: int) -> float:
+    """Fastest of three rounds of `repeats` calls of linear(x), in seconds per call."""
     for _ in range(5):  # warm-up: kernel choice and first allocations
-        torch.nn.functional.linear(x, weight)
+        linear(x)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
-            torch.nn.functional.linear(x, weight)
+            linear(x)
         best = min(best, (time.perf_counter() - start) / repeats)
     return best
+
+
+def linear_of(name: str, weight: torch.Tensor):
+    """x -> x @ weight.T, the plain call or (name ending in -packed) the call on oneDNN's prepacked copy."""
+    if not name.endswith("-packed"):
+        return lambda x: torch.nn.functional.linear(x, weight)
+    from selfspec.packing import pack_matrix, packed_linear
+
+    packed = pack_matrix(weight)
+    return lambda x: packed_linear(x, weight, packed)
 
 
 def main(argv=None) -> None:
@@ -52,11 +64,12 @@ def main(argv=None) -> None:
     print("|---" * (len(args.tokens) + 1) + "|")
     with torch.no_grad():
         for name in args.dtypes:
-            dtype = getattr(torch, name)
+            dtype = getattr(torch, name.removesuffix("-packed"))
             weight = torch.randn(n_out, n_in).to(dtype)
+            linear = linear_of(name, weight)
             cells = []
             for m in args.tokens:
-                s = seconds_per_call(torch.randn(m, n_in).to(dtype), weight, args.repeats)
+                s = seconds_per_call(torch.randn(m, n_in).to(dtype), linear, args.repeats)
                 cells.append(f"{s * 1e6:.0f} us, {2 * m * n_in * n_out / s / 1e9:.0f}")
             print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 

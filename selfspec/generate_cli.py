@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU/GPU computes it in hardware, else float32 (default: auto)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's, one per core); see 'threads' below")
+    p.add_argument("--pack-weights", action="store_true",
+                   help="prepack the bfloat16 Linear weights once (selfspec.pack_weights; CPU): same tokens, faster "
+                        "steps; --compare's plain generate runs packed too")
     p.add_argument("--compare", action="store_true",
                    help="after the streamed answer, time plain generate of the same model and dtype against "
                         "selfspec on the same prompt and settings, interleaved (--rounds each), and print both")
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("exit_layer", args.exit_layer), ("max_draft_tokens", args.max_draft_tokens),
                                    ("drafter", args.drafter)) if v is not None}
     model, tok = load(args.model, heads=args.heads, dtype=args.dtype, **overrides)
+    if args.pack_weights:
+        from .packing import pack_weights
+
+        pack_weights(model)
     ids = prompt_ids(tok, args.prompt, args.chat).to(model.device)
     mask = torch.ones_like(ids)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)

@@ -16,6 +16,7 @@ from .drafters.base import Drafter
 from .forward import StepContext
 from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
+from .packing import is_packed, pack_linears
 
 
 class SelfSpecEngine:
@@ -54,6 +55,8 @@ class SelfSpecEngine:
         # heads compute in the LM head's dtype (a bf16 checkpoint runs in fp32 on an fp32 model)
         dtype = self.adapter.lm_head.weight.dtype
         head = head.to(device=device, dtype=dtype) if dtype.is_floating_point else head.to(device)
+        if is_packed(self.model):  # selfspec.pack_weights ran: the head's Linears run packed like the model's
+            pack_linears(head)
         self.heads[head.exit_layer] = head.eval()
 
     def build_drafter(self) -> Drafter:

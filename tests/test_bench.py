@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import selfspec
-from conftest import make_model, padded_batch, prompt
+from conftest import TEST_DEVICE, make_model, padded_batch, prompt
 from selfspec.drafters.oracle import OracleDrafter
 from selfspec.tools import bench, measure
 
@@ -327,3 +327,21 @@ def test_cli_end_to_end_on_a_saved_model(tmp_path, capsys):
     assert all(r["exact"] for r in data["records"])
     assert (out / "speedup.png").is_file() and "## alpha (1 prompts)" in (out / "results.md").read_text()
     assert "| selfspec-untrained |" in capsys.readouterr().out
+
+
+def test_packed_weights_and_the_dense_baseline():
+    """--pack-weights: every method runs on the packed bf16 model; hf-greedy-dense runs plain generate from the
+    dense weights (the same bits) and is left out of the default methods."""
+    from selfspec.packing import packing_available, unpack_weights
+
+    if TEST_DEVICE != "cpu" or not packing_available():
+        pytest.skip("packing is oneDNN's, for bfloat16 on CPU")
+    assert "hf-greedy-dense" not in bench.default_methods()
+    tiny = make_model("llama", 4, dtype=torch.bfloat16)
+    import selfspec
+
+    selfspec.pack_weights(tiny)
+    res = _run(tiny, methods=("hf-greedy", "hf-greedy-dense", "selfspec-ngram"), pack_weights=True)
+    dense = [r for r in res.records if r.method == "hf-greedy-dense"]
+    assert len(dense) == 4 and all(r.exact for r in dense)
+    assert unpack_weights(tiny) == 29

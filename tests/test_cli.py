@@ -319,6 +319,20 @@ def test_generate_answers_in_chat_and_compares(smollm2):
 
 
 @pytest.mark.slow
+def test_generate_with_packed_weights_compares_identical(smollm2):
+    from selfspec.packing import packing_available
+
+    if not packing_available():
+        pytest.skip("packing is oneDNN's, for bfloat16 on CPU")
+    out = run("generate", "--threads", "1", "--dtype", "bfloat16", "--pack-weights", "--max-new-tokens", "8",
+              "--compare", "--rounds", "1", "Name a prime number.")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "bfloat16" in out.stderr and "[compare] plain generate" in out.stderr
+    refused = run("generate", "--dtype", "float32", "--pack-weights", "--max-new-tokens", "2", "Hi")
+    assert refused.returncode == 2 and "pack_weights found nothing to pack" in refused.stderr
+
+
+@pytest.mark.slow
 def test_generate_sampling_with_temperature_alone(smollm2):
     out = run("generate", "--threads", "1", "--temperature", "0.7", "--max-new-tokens", "6", "--drafter", "ngram",
               "Hi")

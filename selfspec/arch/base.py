@@ -14,6 +14,8 @@ import weakref
 import torch
 from torch import nn
 
+from ..packing import is_packed_module, pack_matrix, packed_linear
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -132,30 +134,40 @@ def _head_rows(head: nn.Module, normed: torch.Tensor, vocab_ids: torch.Tensor) -
         rows = vocab_ids.to(weight.device)
         bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
         offloaded = getattr(getattr(head, "_hf_hook", None), "offload", False)  # its weight is loaded per call
-        sub = weight[rows] if offloaded else _gathered_rows(weight, vocab_ids, rows)
+        if offloaded:
+            return nn.functional.linear(normed.to(weight.device), weight[rows], bias)
+        sub, packed = _gathered_rows(weight, vocab_ids, rows, pack=bias is None and is_packed_module(head))
+        if packed is not None:  # the LM head is packed (selfspec.pack_weights): its rows are too
+            return packed_linear(normed.to(weight.device), sub, packed)
         return nn.functional.linear(normed.to(weight.device), sub, bias)
 
 
-# id(vocab_ids) -> (weakref to vocab_ids, LM-head weight, its version, weight[rows]); an entry goes with its
-# vocab_ids tensor. Kept off the tensor itself so that pickling a head's buffers never drags the rows along.
-_ROWS: dict[int, tuple] = {}
+# id(vocab_ids) -> [weakref to vocab_ids, LM-head weight, its version, weight[rows], their packed copy or None,
+# whether packing was tried]; an entry goes with its vocab_ids tensor. Kept off the tensor itself so that pickling a
+# head's buffers never drags the rows along.
+_ROWS: dict[int, list] = {}
 
 
-def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """weight[rows], reused between calls: a draft step then reads V_draft x H once instead of gathering the rows
-    again (a copy as large as the matmul) for every drafted token. Recomputed when the weight is another tensor
-    or was changed in place (its version counter moved)."""
+def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Tensor,
+                   pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight[rows], their packed copy for packing.packed_linear or None), reused between calls: a draft step then
+    reads V_draft x H once instead of gathering the rows again (a copy as large as the matmul) for every drafted
+    token. Recomputed when the weight is another tensor or was changed in place (its version counter moved).
+    With `pack`, rows asked for a second time are packed: a head's draft vocabulary is, while the one-off ids of
+    a copy candidate's rescoring are not worth a reorder."""
     if (weight.requires_grad and torch.is_grad_enabled()) or weight.device.type == "meta":  # gradients wanted
-        return weight[rows]
+        return weight[rows], None
     key = id(vocab_ids)
     hit = _ROWS.get(key)
     if hit is not None and hit[0]() is vocab_ids and hit[1] is weight and hit[2] == weight._version:
-        return hit[3]
+        if pack and not hit[5]:
+            hit[4], hit[5] = pack_matrix(hit[3]), True
+        return hit[3], (hit[4] if pack else None)
     sub = weight[rows]
     if hit is None or hit[0]() is not vocab_ids:
         weakref.finalize(vocab_ids, _ROWS.pop, key, None)
-    _ROWS[key] = (weakref.ref(vocab_ids), weight, weight._version, sub)
-    return sub
+    _ROWS[key] = [weakref.ref(vocab_ids), weight, weight._version, sub, None, False]
+    return sub, None
 
 
 def _weights_loaded(module: nn.Module):

@@ -61,6 +61,7 @@ class BenchConfig:
     warmup_tokens: int = 16
     tune_tokens: int = 32
     dtype: str = "auto"  # auto: the checkpoint's own; the embedded model: bf16 where the CPU/GPU computes it
+    pack_weights: bool = False  # selfspec.pack_weights before every method (bf16 on CPU); hf-greedy-dense compares
     device: str = "cpu"
     threads: int | None = None
     chat_template: bool = True
@@ -158,16 +159,19 @@ class HFMethod(Method):
     """The unwrapped model's own `generate`, with extra kwargs (assisted generation) from the harness."""
 
     def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None,
-                 chunk: Callable[["Harness"], int] | None = None):
+                 chunk: Callable[["Harness"], int] | None = None, dense: bool = False):
         self.description, self.extra, self.chunk = description, extra, chunk
         self.hf_assisted = extra is not None
+        self.dense = dense  # compute from the dense weights even where --pack-weights packed them
 
     def verify_chunk(self, h):
         return self.chunk(h) if self.chunk else super().verify_chunk(h)
 
     def run(self, h, batch, reference, max_new):
+        from ..packing import dense_weights
+
         counter = CandidateCounter()
-        with counter.attached(h.model):
+        with counter.attached(h.model), (dense_weights() if self.dense else contextlib.nullcontext()):
             rows, seconds = h.timed_generate(batch, max_new, **(self.extra(h) if self.extra else {}))
         new = sum(len(r) for r in rows)
         if not self.hf_assisted:
@@ -230,6 +234,8 @@ class EngineMethod(Method):
 # name -> method. Adding a drafter to the benchmark is one line here.
 METHODS: dict[str, Method] = {
     "hf-greedy": HFMethod("plain model.generate (the 1.00x baseline)"),
+    "hf-greedy-dense": HFMethod("plain model.generate from the dense weights (with --pack-weights: what packing "
+                                "gains; else the same as hf-greedy)", dense=True),
     "hf-early-exit": HFMethod("Hugging Face assistant_early_exit=E (E chosen on train-split prompts)",
                               lambda h: {"assistant_early_exit": h.hf_exit_layer}),
     "hf-prompt-lookup": HFMethod("Hugging Face prompt_lookup_num_tokens=N",
@@ -261,7 +267,8 @@ def drafter_available(method: Method) -> bool:
 
 def default_methods(registry: dict[str, Method] = METHODS) -> tuple:
     """The core methods plus every other registered method whose drafter exists in this checkout."""
-    extra = [n for n in registry if n not in CORE_METHODS and drafter_available(registry[n])]
+    extra = [n for n in registry if n not in CORE_METHODS and drafter_available(registry[n])
+             and not getattr(registry[n], "dense", False)]  # hf-greedy-dense only matters with --pack-weights
     return CORE_METHODS + tuple(extra)
 
 
@@ -687,7 +694,8 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
         f"selfspec {meta['versions']['selfspec']}",
         f"- {'sampling, temperature ' + str(settings['temperature']) if settings['sample'] else 'greedy'}, "
         f"max_new_tokens={settings['max_new_tokens']}, batch size {settings['batch_size']}, "
-        f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}",
+        f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}"
+        f"{', weights packed (selfspec.pack_weights)' if settings.get('pack_weights') else ''}",
         f"- selfspec: exit layer {setup['selfspec_config']['exit_layer']} of {setup['num_layers']}, "
         f"max_draft_tokens={setup['selfspec_config']['max_draft_tokens']}, heads: {setup['heads_source']}",
     ]
@@ -804,6 +812,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model precision; auto = the checkpoint's dtype, for the embedded model bfloat16 where the "
                         "CPU/GPU computes it in hardware, else float32")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--pack-weights", action="store_true",
+                   help="prepack the bf16 Linear weights for every method (selfspec.pack_weights, CPU); add "
+                        "hf-greedy-dense to measure what packing gains%(default).0s")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's)%(default).0s")
     p.add_argument("--no-chat-template", action="store_true",
@@ -840,7 +851,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf_exit_layers=hf_exits, prompt_lookup_tokens=args.prompt_lookup_tokens, sample=args.sample,
         temperature=args.temperature, seed=args.seed, warmup_tokens=args.warmup_tokens,
         tune_tokens=args.tune_tokens, dtype=args.dtype, device=args.device, threads=args.threads,
-        chat_template=not args.no_chat_template, output=args.output, strict=args.strict)
+        pack_weights=args.pack_weights, chat_template=not args.no_chat_template, output=args.output,
+        strict=args.strict)
 
 
 def _raise_interrupt(signum, frame):
@@ -876,6 +888,10 @@ def main(argv: list[str] | None = None) -> int:
         from ..models import dtype_name, resolve_model
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        if cfg.pack_weights:
+            from ..packing import pack_weights
+
+            pack_weights(model)
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{cfg.model}'s tokenizer has no chat template; pass --no-chat-template.")
         workload = build_workload(tokenizer, cfg)
