@@ -28,6 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--table", type=int, default=0, help="rows of torch's op table to print (0: none)")
+    p.add_argument("--pack-weights", action="store_true", help="selfspec.pack_weights first (bf16 on CPU)")
     p.add_argument("--heads", default=None, help="heads directory, or 'shipped' (default: untrained exits)")
     # each of these left out keeps the config's value (the heads directory's, else the default)
     p.add_argument("--depth", type=int, dest="max_draft_tokens", help="max_draft_tokens")
@@ -74,6 +75,8 @@ def main(argv=None) -> None:
     from selfspec.prompts import chat_input_ids, load_prompts
 
     model, tok = resolve_model(args.model, dtype=args.dtype)
+    if args.pack_weights:
+        selfspec.pack_weights(model)
     heads = str(shipped_dir(args.model)) if args.heads == "shipped" else args.heads
     knobs = ("max_draft_tokens", "draft_tree_top_k", "draft_tree_size", "draft_confidence_threshold")
     overrides = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}

@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU/GPU computes it in hardware, else float32 (default: auto)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's, one per core); see 'threads' below")
-    p.add_argument("--pack-weights", action="store_true",
+    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="prepack the bfloat16 Linear weights once (selfspec.pack_weights; CPU): same tokens, faster "
-                        "steps; --compare's plain generate runs packed too")
+                        "steps; --compare's plain generate runs packed too (default: pack where there are such "
+                        "weights)")
     p.add_argument("--compare", action="store_true",
                    help="after the streamed answer, time plain generate of the same model and dtype against "
                         "selfspec on the same prompt and settings, interleaved (--rounds each), and print both")
@@ -120,17 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from .models import dtype_name
+    from .packing import is_packed
     from .pretrained import load
 
     hf_logging.disable_progress_bar()  # a weight-loading bar on stderr would split the answer from its stats
 
     overrides = {k: v for k, v in (("exit_layer", args.exit_layer), ("max_draft_tokens", args.max_draft_tokens),
                                    ("drafter", args.drafter)) if v is not None}
-    model, tok = load(args.model, heads=args.heads, dtype=args.dtype, **overrides)
-    if args.pack_weights:
-        from .packing import pack_weights
-
-        pack_weights(model)
+    model, tok = load(args.model, heads=args.heads, dtype=args.dtype, pack_weights=args.pack_weights, **overrides)
     ids = prompt_ids(tok, args.prompt, args.chat).to(model.device)
     mask = torch.ones_like(ids)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
@@ -145,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     speculative = (f"mean accepted tokens {st.mean_accepted_tokens:.2f} | acceptance rate {st.acceptance_rate:.1%}"
                    if st is not None else "ran the plain generate (see the warning above)")
     print(f"[selfspec] {new_tokens} tokens in {seconds:.2f}s = {new_tokens / seconds:.1f} tok/s | {speculative} | "
-          f"drafter {cfg.drafter}, exit layer {cfg.exit_layer}, K={cfg.max_draft_tokens}, {dtype_name(model.dtype)}",
+          f"drafter {cfg.drafter}, exit layer {cfg.exit_layer}, K={cfg.max_draft_tokens}, {dtype_name(model.dtype)}"
+          f"{', packed weights' if is_packed(model) else ''}",
           file=sys.stderr)
     if args.compare:
         print(compare_line(model, ids, mask, gen, args.rounds, args.seed), file=sys.stderr)

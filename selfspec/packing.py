@@ -131,6 +131,11 @@ def is_packed(root: nn.Module) -> bool:
     return any(is_packed_module(m) for m in root.modules())
 
 
+def worth_packing(model: nn.Module) -> bool:
+    """Whether pack_weights would find something to pack (selfspec.load packs by default when it would)."""
+    return packing_available() and any(packable(m) for m in model.modules())
+
+
 def pack_weights(model: nn.Module) -> int:
     """Prepack the model's bias-free bfloat16 Linear weights on CPU, in place; returns how many were packed.
     Heads that a wrapped model adds afterwards are packed with it. Refuses a model with nothing to pack."""

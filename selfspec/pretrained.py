@@ -7,6 +7,7 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
+from . import packing
 from .config import CONFIG_NAME, read_config_json
 from .models import DEFAULT_MODEL, resolve_model
 from .wrap import wrap
@@ -18,13 +19,16 @@ def shipped_dir(name: str) -> Path | None:
     return path if (path / CONFIG_NAME).is_file() else None
 
 
-def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None, **overrides):
+def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
+         pack_weights: bool | None = None, **overrides):
     """(wrapped model, tokenizer).
 
     name_or_dir: "smollm2-135m" (the embedded default, with the heads and config shipped for it), a directory
     written by `model.selfspec.save_pretrained` whose config records `base_model_path`, or any local HF model
     directory / hub id (wrapped with the default config). `heads` overrides where heads and config come from;
-    keyword overrides replace config fields (exit_layer=8, drafter="hybrid", ...).
+    keyword overrides replace config fields (exit_layer=8, drafter="hybrid", ...). pack_weights: prepack the
+    bfloat16 Linear weights on CPU (selfspec.pack_weights: the same tokens, faster steps, one more copy of those
+    weights in memory); None packs whenever the loaded model has such weights, False never.
     """
     selfspec_dir = heads
     base = name_or_dir
@@ -40,17 +44,20 @@ def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto
     if selfspec_dir is None:
         shipped = shipped_dir(str(base))
         selfspec_dir = str(shipped) if shipped is not None else None
+    if pack_weights or (pack_weights is None and packing.worth_packing(model)):
+        packing.pack_weights(model)
     return wrap(model, selfspec_dir, **overrides), tokenizer
 
 
 def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
-                    **overrides):
+                    pack_weights: bool | None = None, **overrides):
     """The wrapped model (arguments as for `load`); `selfspec.load` returns its tokenizer too.
 
     selfspec 0.1 returned (model, tokenizer). Until 0.3 `model, tok = selfspec.from_pretrained(...)` still works,
     with a DeprecationWarning: the returned model can be unpacked into itself and its tokenizer.
     """
-    model, tokenizer = load(name_or_dir, heads=heads, dtype=dtype, device=device, **overrides)
+    model, tokenizer = load(name_or_dir, heads=heads, dtype=dtype, device=device, pack_weights=pack_weights,
+                            **overrides)
     return _allow_legacy_unpacking(model, tokenizer)
 
 

@@ -327,7 +327,10 @@ def test_generate_with_packed_weights_compares_identical(smollm2):
     out = run("generate", "--threads", "1", "--dtype", "bfloat16", "--pack-weights", "--max-new-tokens", "8",
               "--compare", "--rounds", "1", "Name a prime number.")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "bfloat16" in out.stderr and "[compare] plain generate" in out.stderr
+    assert "bfloat16, packed weights" in out.stderr and "greedy outputs identical" in out.stderr
+    dense = run("generate", "--threads", "1", "--dtype", "bfloat16", "--no-pack-weights", "--max-new-tokens", "2",
+                "Hi")
+    assert dense.returncode == 0 and "bfloat16" in dense.stderr and "packed" not in dense.stderr
     refused = run("generate", "--dtype", "float32", "--pack-weights", "--max-new-tokens", "2", "Hi")
     assert refused.returncode == 2 and "pack_weights found nothing to pack" in refused.stderr
 

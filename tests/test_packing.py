@@ -127,3 +127,11 @@ def test_packing_changes_no_token_of_plain_or_speculative_generate(smollm2_bf16)
     finally:
         selfspec.unwrap(model)
     assert torch.equal(model.generate(ids, **kwargs), plain)
+
+
+@pytest.mark.slow
+def test_load_packs_bf16_on_cpu_by_default():
+    model, _ = selfspec.load("smollm2-135m", dtype="bfloat16")
+    assert is_packed(model) and all(is_packed(head) for head in model.selfspec.heads.values())
+    assert not is_packed(selfspec.load("smollm2-135m", dtype="bfloat16", pack_weights=False)[0])
+    assert not is_packed(selfspec.load("smollm2-135m", dtype="float32")[0])
