@@ -4,10 +4,11 @@
     selfspec.unpack_weights(model)
 
 A bfloat16 `nn.Linear` on CPU runs oneDNN's matmul, which reorders the whole weight into its blocked layout on
-every call: at one token per call that reorder costs more than the product itself. Measured on one core of an
-Intel Xeon with AVX512-BF16 (scripts/measure_packing.py): SmolLM2's 576 -> 1536 projection takes 281 us a call
-from the dense weight and 118 us prepacked, and a whole 1-token step 87 ms against 67 ms. The packed kernel gives
-the same bits as the dense call (checked per module when packing, below), so greedy output does not change.
+every call: at one token per call that reorder is about a third of the call. Measured on one core of an Intel
+Xeon with AVX512-BF16: SmolLM2's 576 -> 1536 projection takes 165 us a call from the dense weight and 115 us
+prepacked (scripts/measure_gemm.py), a whole 1-token step 85 ms against 75 ms (scripts/measure_pass_cost.py). The
+packed kernel gives the same bits as the dense call (checked per module when packing, below), so no output
+changes.
 
 Only bias-free bfloat16 `nn.Linear` modules with their weights on CPU are packed: with a bias the fused add
 rounds differently, float32 goes through MKL (packing gives other bits and no speed), and quantized or offloaded
@@ -38,8 +39,7 @@ class PackedForward:
         self.stamp = _stamp(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        module = self.module()
-        weight = module.weight
+        weight = self.module().weight
         return packed_linear(x, weight, self.packed if _stamp(weight) == self.stamp else None)
 
     def __deepcopy__(self, memo):
@@ -141,7 +141,7 @@ def pack_weights(model: nn.Module) -> int:
     Heads that a wrapped model adds afterwards are packed with it. Refuses a model with nothing to pack."""
     if not packing_available():
         raise ValueError("pack_weights needs torch's oneDNN (mkldnn) linear ops, which this torch build lacks; "
-                           "use a CPU build of torch with mkldnn, or run without packing.")
+                         "use a CPU build of torch with mkldnn, or run without packing.")
     done, refused = pack_linears(model)
     if refused:
         import warnings
@@ -151,9 +151,9 @@ def pack_weights(model: nn.Module) -> int:
     if done == 0 and not is_packed(model):
         weight = next((p for p in model.parameters()), None)
         found = "no parameters" if weight is None else f"{weight.dtype} on {weight.device}"
-        raise ValueError(f"pack_weights found nothing to pack ({found}{', all refused by the probe' if refused else ''}): "
-                         f"it packs bias-free bfloat16 nn.Linear weights on CPU. Load the model with "
-                         f"dtype=torch.bfloat16 on CPU, or leave it unpacked.")
+        found += ", all refused by the probe" if refused else ""
+        raise ValueError(f"pack_weights found nothing to pack ({found}): it packs bias-free bfloat16 nn.Linear "
+                         f"weights on CPU. Load the model with dtype=torch.bfloat16 on CPU, or leave it unpacked.")
     engine = getattr(model, "selfspec", None)
     for head in (engine.heads.values() if engine is not None else ()):
         pack_linears(head)
