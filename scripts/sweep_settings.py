@@ -72,7 +72,9 @@ def main(argv=None) -> None:
     engine = model.selfspec
     base = engine.config
     batches = make_batches(tok, load_prompts(split="eval", limit_per_category=args.limit), 1)
-    print(f"{len(batches)} prompts x {args.new_tokens} tokens, {args.dtype}, {torch.get_num_threads()} thread(s)")
+    packed = ", packed weights" if selfspec.packing.is_packed(model) else ""  # selfspec.load packs bf16 on CPU
+    print(f"{len(batches)} prompts x {args.new_tokens} tokens, {args.dtype}{packed}, {torch.get_num_threads()} "
+          f"thread(s)")
     configs = [dataclasses.replace(base, **s).validate(engine.adapter.num_layers) for s in args.settings]
     tallies = [Tally() for _ in configs]
     for batch in batches:

@@ -27,6 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="selfspec.load's packing of bf16 CPU weights (default: where there are such weights)")
     return p.parse_args(argv)
 
 
@@ -67,7 +69,7 @@ def main(argv=None) -> None:
                        ("exit_layer", args.exit_layer)):
         if value is not None:
             overrides[key] = value
-    model, tok = selfspec.load(args.model, heads=args.heads, **overrides)
+    model, tok = selfspec.load(args.model, heads=args.heads, pack_weights=args.pack_weights, **overrides)
     if args.depth is None and args.threshold is None:  # the calibrated chain, as bench's selfspec row runs it
         chain = model.selfspec.config.metadata.get("calibration", {}).get("per_drafter", {}).get("early_exit", {})
         model.selfspec.config = model.selfspec.config.replace(**chain)

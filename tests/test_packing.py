@@ -135,3 +135,17 @@ def test_load_packs_bf16_on_cpu_by_default():
     assert is_packed(model) and all(is_packed(head) for head in model.selfspec.heads.values())
     assert not is_packed(selfspec.load("smollm2-135m", dtype="bfloat16", pack_weights=False)[0])
     assert not is_packed(selfspec.load("smollm2-135m", dtype="float32")[0])
+
+
+def test_measurements_tell_packed_from_dense():
+    """A calibration's study identity (and so its default study name) records packing: packed steps are faster,
+    so trials timed on the dense model are another setup's."""
+    from selfspec.tools.calibrate.study import _default_study_name
+    from selfspec.tools.measure import model_identity
+
+    model = make_model("llama", dtype=torch.bfloat16)
+    dense = {**model_identity(model, "tiny"), "heads": []}
+    selfspec.pack_weights(model)
+    packed = {**model_identity(model, "tiny"), "heads": []}
+    assert (dense["packed"], packed["packed"]) == (False, True)
+    assert _default_study_name(packed) == _default_study_name(dense) + "-packed"

@@ -61,7 +61,8 @@ class BenchConfig:
     warmup_tokens: int = 16
     tune_tokens: int = 32
     dtype: str = "auto"  # auto: the checkpoint's own; the embedded model: bf16 where the CPU/GPU computes it
-    pack_weights: bool = False  # selfspec.pack_weights before every method (bf16 on CPU); hf-greedy-dense compares
+    # selfspec.pack_weights before every method, as selfspec.load does: None = where there are bf16 CPU weights
+    pack_weights: bool | None = None
     device: str = "cpu"
     threads: int | None = None
     chat_template: bool = True
@@ -695,7 +696,7 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
         f"- {'sampling, temperature ' + str(settings['temperature']) if settings['sample'] else 'greedy'}, "
         f"max_new_tokens={settings['max_new_tokens']}, batch size {settings['batch_size']}, "
         f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}"
-        f"{', weights packed (selfspec.pack_weights)' if settings.get('pack_weights') else ''}",
+        f"{', weights packed (selfspec.pack_weights)' if meta['model'].get('packed') else ''}",
         f"- selfspec: exit layer {setup['selfspec_config']['exit_layer']} of {setup['num_layers']}, "
         f"max_draft_tokens={setup['selfspec_config']['max_draft_tokens']}, heads: {setup['heads_source']}",
     ]
@@ -812,8 +813,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model precision; auto = the checkpoint's dtype, for the embedded model bfloat16 where the "
                         "CPU/GPU computes it in hardware, else float32")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--pack-weights", action="store_true",
-                   help="prepack the bf16 Linear weights for every method (selfspec.pack_weights, CPU); add "
+    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepack the bf16 Linear weights for every method (selfspec.pack_weights, CPU), as "
+                        "selfspec.load does (default: where there are such weights); add the method "
                         "hf-greedy-dense to measure what packing gains%(default).0s")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's)%(default).0s")
@@ -886,11 +888,12 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         from ..models import dtype_name, resolve_model
+        from ..packing import is_packed
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-        if cfg.pack_weights:
-            from ..packing import pack_weights
+        from ..packing import pack_weights, worth_packing
 
+        if cfg.pack_weights or (cfg.pack_weights is None and worth_packing(model)):
             pack_weights(model)
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{cfg.model}'s tokenizer has no chat template; pass --no-chat-template.")
@@ -907,6 +910,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "selfspec bench " + shlex.join(argv), "machine": {**machine_info(device),
             "loadavg_start": loadavg_start, "loadavg_end": loadavg()}, "versions": versions(),
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
+                      "packed": is_packed(model),
                       "parameters": sum(p.numel() for p in model.parameters())},
             "settings": asdict(cfg)}
     paths = write_outputs(result, meta, cfg.output or default_output(cfg))

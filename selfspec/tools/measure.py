@@ -93,9 +93,12 @@ def model_identity(model, name: str | None = None) -> dict:
     from ..arch import adapter_for
     from ..io import model_identity as weights_identity
 
+    from ..packing import is_packed
+
     param = next(model.parameters())
     return {"model_name": name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
-            **weights_identity(adapter_for(model)), "device": param.device.type, "dtype": str(param.dtype)}
+            **weights_identity(adapter_for(model)), "device": param.device.type, "dtype": str(param.dtype),
+            "packed": is_packed(model)}  # packed bf16 weights step faster: timings of another setup
 
 
 def eos_ids_of(model, tokenizer=None) -> list[int]:

@@ -35,6 +35,9 @@ def parse_args(argv) -> argparse.Namespace:
                    help="model precision; auto = the checkpoint's dtype, or for the embedded model bfloat16 where "
                         "the device computes it in hardware, else float32 (default: auto)")
     p.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
+    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepack bf16 Linear weights on CPU (selfspec.pack_weights) for every trial and the plain "
+                        "baseline, as selfspec.load does (default: pack where there are such weights)")
     return p.parse_args(argv)
 
 
@@ -52,10 +55,13 @@ def _load_spec(args) -> SearchSpec:
 
 def _load_model(args):
     from ...models import resolve_model
+    from ...packing import pack_weights, worth_packing
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # the plain baseline is this same model object unwrapped, so it always runs in the wrapped model's dtype
     model, tokenizer = resolve_model(args.model, dtype=args.dtype, device=device)
+    if args.pack_weights or (args.pack_weights is None and worth_packing(model)):
+        pack_weights(model)
     if args.heads:
         wrap(model, args.heads)  # config and heads saved by save_pretrained
     return model, tokenizer

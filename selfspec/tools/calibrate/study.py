@@ -387,7 +387,8 @@ def _check_budget(trials, timeout, prompts) -> None:
 def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
-    return f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}"
+    packed = "-packed" if identity.get("packed") else ""
+    return f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}{packed}"
 
 
 def _prepare_session(model, base, prompts, space, spec, log) -> Session:
