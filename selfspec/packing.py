@@ -3,6 +3,9 @@
     selfspec.pack_weights(model)     # in place; the dense weights stay (state_dict, saving, training)
     selfspec.unpack_weights(model)
 
+selfspec.load, `selfspec bench` and `selfspec calibrate` pack by default wherever there is something to pack
+(apply_choice); `wrap` leaves a model it is handed as it is, since packing costs memory.
+
 A bfloat16 `nn.Linear` on CPU runs oneDNN's matmul, which reorders the whole weight into its blocked layout on
 every call: at one token per call that reorder is about a third of the call. Measured on one core of an Intel
 Xeon with AVX512-BF16: SmolLM2's 576 -> 1536 projection takes 165 us a call from the dense weight and 115 us
@@ -132,8 +135,15 @@ def is_packed(root: nn.Module) -> bool:
 
 
 def worth_packing(model: nn.Module) -> bool:
-    """Whether pack_weights would find something to pack (selfspec.load packs by default when it would)."""
+    """Whether pack_weights would find something to pack."""
     return packing_available() and any(packable(m) for m in model.modules())
+
+
+def apply_choice(model: nn.Module, choice: bool | None) -> None:
+    """The pack_weights option of selfspec.load, bench and calibrate: True packs (and refuses a model with nothing
+    to pack), None packs where there is something to pack, False leaves the model dense."""
+    if choice or (choice is None and worth_packing(model)):
+        pack_weights(model)
 
 
 def pack_weights(model: nn.Module) -> int:

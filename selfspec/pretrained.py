@@ -44,8 +44,7 @@ def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto
     if selfspec_dir is None:
         shipped = shipped_dir(str(base))
         selfspec_dir = str(shipped) if shipped is not None else None
-    if pack_weights or (pack_weights is None and packing.worth_packing(model)):
-        packing.pack_weights(model)
+    packing.apply_choice(model, pack_weights)
     return wrap(model, selfspec_dir, **overrides), tokenizer
 
 

@@ -888,13 +888,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         from ..models import dtype_name, resolve_model
-        from ..packing import is_packed
+        from ..packing import apply_choice, is_packed
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-        from ..packing import pack_weights, worth_packing
-
-        if cfg.pack_weights or (cfg.pack_weights is None and worth_packing(model)):
-            pack_weights(model)
+        apply_choice(model, cfg.pack_weights)
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{cfg.model}'s tokenizer has no chat template; pass --no-chat-template.")
         workload = build_workload(tokenizer, cfg)

@@ -55,13 +55,12 @@ def _load_spec(args) -> SearchSpec:
 
 def _load_model(args):
     from ...models import resolve_model
-    from ...packing import pack_weights, worth_packing
+    from ...packing import apply_choice
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # the plain baseline is this same model object unwrapped, so it always runs in the wrapped model's dtype
     model, tokenizer = resolve_model(args.model, dtype=args.dtype, device=device)
-    if args.pack_weights or (args.pack_weights is None and worth_packing(model)):
-        pack_weights(model)
+    apply_choice(model, args.pack_weights)
     if args.heads:
         wrap(model, args.heads)  # config and heads saved by save_pretrained
     return model, tokenizer
