@@ -164,10 +164,15 @@ def pack_weights(model: nn.Module) -> int:
         found += ", all refused by the probe" if refused else ""
         raise ValueError(f"pack_weights found nothing to pack ({found}): it packs bias-free bfloat16 nn.Linear "
                          f"weights on CPU. Load the model with dtype=torch.bfloat16 on CPU, or leave it unpacked.")
-    engine = getattr(model, "selfspec", None)
-    for head in (engine.heads.values() if engine is not None else ()):
+    for head in _heads_of(model):
         pack_linears(head)
     return done
+
+
+def _heads_of(model: nn.Module) -> list[nn.Module]:
+    """The exit heads of a wrapped model (kept by its engine, not submodules of the model); none otherwise."""
+    engine = getattr(model, "selfspec", None)
+    return list(engine.heads.values()) if engine is not None else []
 
 
 def unpack_weights(root: nn.Module) -> int:
@@ -177,7 +182,4 @@ def unpack_weights(root: nn.Module) -> int:
         if is_packed_module(module):
             del module.forward
             count += 1
-    engine = getattr(root, "selfspec", None)
-    for head in (engine.heads.values() if engine is not None else ()):
-        count += unpack_weights(head)
-    return count
+    return count + sum(unpack_weights(head) for head in _heads_of(root))

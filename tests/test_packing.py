@@ -97,11 +97,10 @@ def draft_vocabulary_rows_run_packed(model) -> None:
     for _ in range(2):
         assert torch.equal(adapter.logits(normed, head.vocab_ids), want)
     entry = _ROWS[id(head.vocab_ids)]
-    assert entry[4] is not None
-    entry[4] = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(entry[3]), None)
+    assert entry.packed is not None
+    entry.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(entry.sub), None)
     assert not torch.equal(adapter.logits(normed, head.vocab_ids), want)
-    entry[4] = None  # packed again at the next call
-    entry[5] = False
+    entry.packed, entry.pack_tried = None, False  # packed again at the next call
 
 
 @pytest.mark.slow

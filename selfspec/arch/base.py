@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -142,10 +143,24 @@ def _head_rows(head: nn.Module, normed: torch.Tensor, vocab_ids: torch.Tensor) -
         return nn.functional.linear(normed.to(weight.device), sub, bias)
 
 
-# id(vocab_ids) -> [weakref to vocab_ids, LM-head weight, its version, weight[rows], their packed copy or None,
-# whether packing was tried]; an entry goes with its vocab_ids tensor. Kept off the tensor itself so that pickling a
+@dataclass
+class _Rows:
+    """LM-head rows gathered once for one vocab_ids tensor (kept in _ROWS, keyed by that tensor's id)."""
+
+    ids: weakref.ref  # the vocab_ids tensor the entry belongs to
+    weight: torch.Tensor  # the LM-head weight the rows came from...
+    version: int  # ...at this version of it
+    sub: torch.Tensor  # weight[rows]
+    packed: torch.Tensor | None = None  # their packed copy (packing.pack_matrix) once tried, None if refused
+    pack_tried: bool = False
+
+    def fresh(self, vocab_ids: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.ids() is vocab_ids and self.weight is weight and self.version == weight._version
+
+
+# id(vocab_ids) -> its _Rows; an entry goes with its vocab_ids tensor. Kept off the tensor itself so that pickling a
 # head's buffers never drags the rows along.
-_ROWS: dict[int, list] = {}
+_ROWS: dict[int, _Rows] = {}
 
 
 def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Tensor,
@@ -159,14 +174,14 @@ def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Te
         return weight[rows], None
     key = id(vocab_ids)
     hit = _ROWS.get(key)
-    if hit is not None and hit[0]() is vocab_ids and hit[1] is weight and hit[2] == weight._version:
-        if pack and not hit[5]:
-            hit[4], hit[5] = pack_matrix(hit[3]), True
-        return hit[3], (hit[4] if pack else None)
+    if hit is not None and hit.fresh(vocab_ids, weight):
+        if pack and not hit.pack_tried:
+            hit.packed, hit.pack_tried = pack_matrix(hit.sub), True
+        return hit.sub, (hit.packed if pack else None)
     sub = weight[rows]
-    if hit is None or hit[0]() is not vocab_ids:
+    if hit is None or hit.ids() is not vocab_ids:
         weakref.finalize(vocab_ids, _ROWS.pop, key, None)
-    _ROWS[key] = [weakref.ref(vocab_ids), weight, weight._version, sub, None, False]
+    _ROWS[key] = _Rows(weakref.ref(vocab_ids), weight, weight._version, sub)
     return sub, None
 
 

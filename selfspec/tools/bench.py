@@ -146,6 +146,7 @@ class Method:
 
     description = ""
     hf_assisted = False  # Hugging Face's assisted generation supports batch size 1 only
+    dense = False  # computes from the dense weights even where the model's are packed (selfspec.pack_weights)
 
     def run(self, h: "Harness", batch: Batch, reference: list[list[int]] | None, max_new: int) -> Outcome:
         raise NotImplementedError
@@ -162,8 +163,7 @@ class HFMethod(Method):
     def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None,
                  chunk: Callable[["Harness"], int] | None = None, dense: bool = False):
         self.description, self.extra, self.chunk = description, extra, chunk
-        self.hf_assisted = extra is not None
-        self.dense = dense  # compute from the dense weights even where --pack-weights packed them
+        self.hf_assisted, self.dense = extra is not None, dense
 
     def verify_chunk(self, h):
         return self.chunk(h) if self.chunk else super().verify_chunk(h)
@@ -235,8 +235,9 @@ class EngineMethod(Method):
 # name -> method. Adding a drafter to the benchmark is one line here.
 METHODS: dict[str, Method] = {
     "hf-greedy": HFMethod("plain model.generate (the 1.00x baseline)"),
-    "hf-greedy-dense": HFMethod("plain model.generate from the dense weights (with --pack-weights: what packing "
-                                "gains; else the same as hf-greedy)", dense=True),
+    "hf-greedy-dense": HFMethod("plain model.generate from the dense weights (where the weights are packed, the "
+                                "default for bf16 on CPU: what packing gains; else the same as hf-greedy)",
+                                dense=True),
     "hf-early-exit": HFMethod("Hugging Face assistant_early_exit=E (E chosen on train-split prompts)",
                               lambda h: {"assistant_early_exit": h.hf_exit_layer}),
     "hf-prompt-lookup": HFMethod("Hugging Face prompt_lookup_num_tokens=N",
@@ -269,7 +270,7 @@ def drafter_available(method: Method) -> bool:
 def default_methods(registry: dict[str, Method] = METHODS) -> tuple:
     """The core methods plus every other registered method whose drafter exists in this checkout."""
     extra = [n for n in registry if n not in CORE_METHODS and drafter_available(registry[n])
-             and not getattr(registry[n], "dense", False)]  # hf-greedy-dense only matters with --pack-weights
+             and not registry[n].dense]  # hf-greedy-dense only matters where the weights are packed
     return CORE_METHODS + tuple(extra)
 
 

@@ -92,7 +92,6 @@ def model_identity(model, name: str | None = None) -> dict:
     type, sizes and an LM-head fingerprint that tells checkpoints of one shape apart), device type and dtype."""
     from ..arch import adapter_for
     from ..io import model_identity as weights_identity
-
     from ..packing import is_packed
 
     param = next(model.parameters())
