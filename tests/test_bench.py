@@ -260,7 +260,8 @@ def test_chain_methods_draft_chains_when_the_calibrated_winner_is_a_tree(model, 
 
 
 def test_sampling_mode_reports_speed_not_exactness(model):
-    res = _run(model, methods=("hf-greedy", "selfspec-untrained", "oracle"), sample=True, temperature=0.8)
+    res = _run(model, methods=("hf-greedy", "selfspec-untrained", "oracle"), sample=True, temperature=0.8,
+               top_p=0.9)
     assert all(r.exact is None for r in res.records)
     assert res.summary["overall"]["selfspec-untrained"]["exact"] is None
     assert "n/a" in bench.markdown_table(res.summary["overall"])
@@ -274,6 +275,12 @@ def test_bad_input_gets_clear_errors(model):
     with pytest.raises(ValueError, match="exit_layer=9 is out of range"):
         _run(model, exit_layer=9)
     assert bench.main(["--limit", "0"]) == 2
+    assert bench.main(["--sample", "--top-p", "1.5"]) == 2
+
+
+def test_sampling_words_name_top_p():
+    assert bench._sampling_words({"temperature": 0.7, "top_p": 0.9}) == "sampling, temperature 0.7, top-p 0.9"
+    assert bench._sampling_words({"temperature": 1.0}) == "sampling, temperature 1.0"  # older results
 
 
 def test_help_works(capsys):

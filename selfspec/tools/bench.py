@@ -57,6 +57,7 @@ class BenchConfig:
     prompt_lookup_tokens: int = 10  # Hugging Face's documented example value
     sample: bool = False
     temperature: float = 1.0
+    top_p: float = 1.0  # nucleus sampling (Hugging Face's top_p), with sample; 1.0 keeps the whole distribution
     seed: int = 0
     warmup_tokens: int = 16
     tune_tokens: int = 32
@@ -381,8 +382,8 @@ class Harness:
 
     def generate_kwargs(self, max_new: int) -> dict:
         kw = dict(max_new_tokens=max_new, pad_token_id=self.pad_id, do_sample=self.cfg.sample)
-        if self.cfg.sample:  # plain temperature sampling, whatever the model's generation_config says
-            kw.update(temperature=self.cfg.temperature, top_k=0, top_p=1.0)
+        if self.cfg.sample:  # temperature (and top-p) sampling, whatever the model's generation_config says
+            kw.update(temperature=self.cfg.temperature, top_k=0, top_p=self.cfg.top_p)
         return kw
 
     @torch.no_grad()
@@ -681,6 +682,11 @@ def markdown_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _sampling_words(settings: dict) -> str:
+    top_p = settings.get("top_p", 1.0)  # results written before top-p was an option sampled without it
+    return f"sampling, temperature {settings['temperature']}" + (f", top-p {top_p}" if top_p < 1 else "")
+
+
 def render_markdown(result: BenchResult, meta: dict) -> str:
     setup, settings = result.setup, meta["settings"]
     ee = setup["hf_early_exit_layer"]
@@ -694,7 +700,7 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
         f"{meta['machine']['loadavg_start']} at start, {meta['machine']['loadavg_end']} at end",
         f"- versions: torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}, "
         f"selfspec {meta['versions']['selfspec']}",
-        f"- {'sampling, temperature ' + str(settings['temperature']) if settings['sample'] else 'greedy'}, "
+        f"- {_sampling_words(settings) if settings['sample'] else 'greedy'}, "
         f"max_new_tokens={settings['max_new_tokens']}, batch size {settings['batch_size']}, "
         f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}"
         f"{', weights packed (selfspec.pack_weights)' if meta['model'].get('packed') else ''}",
@@ -809,6 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", action="store_true",
                    help="sample instead of greedy (speed and acceptance only)%(default).0s")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature, with --sample")
+    p.add_argument("--top-p", type=float, default=d.top_p,
+                   help="nucleus sampling's top_p, with --sample (default: 1.0, the whole distribution)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed for --sample")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"],
                    help="model precision; auto = the checkpoint's dtype, for the embedded model bfloat16 where the "
@@ -843,6 +851,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.temperature <= 0:
         raise ValueError(f"--temperature must be > 0, got {args.temperature} (greedy is the default without "
                          f"--sample).")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p} (1.0 keeps the whole distribution).")
     try:
         hf_exits = tuple(int(w) for w in _words(args.hf_exit_layers))
     except ValueError:
@@ -852,7 +862,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, methods=_words(args.methods),
         exit_layer=args.exit_layer, max_draft_tokens=args.max_draft_tokens, heads=args.heads,
         hf_exit_layers=hf_exits, prompt_lookup_tokens=args.prompt_lookup_tokens, sample=args.sample,
-        temperature=args.temperature, seed=args.seed, warmup_tokens=args.warmup_tokens,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_tokens=args.warmup_tokens,
         tune_tokens=args.tune_tokens, dtype=args.dtype, device=args.device, threads=args.threads,
         pack_weights=args.pack_weights, chat_template=not args.no_chat_template, output=args.output,
         strict=args.strict)
