@@ -17,7 +17,7 @@ from .distributed import agree_across_ranks
 from .drafters.base import Draft, Drafter
 from .forward import StepContext, forward_early, forward_prompt, forward_remainder
 from .processing import PrefixProcessor
-from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling
+from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling, verify_sampling_lazy
 from .trees import gather_inputs, input_depths, tree_ancestors, verify_tree_greedy, verify_tree_sampling
 
 
@@ -232,26 +232,50 @@ def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
 def choose(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
     """Verify a draft from the verifier's final states (B, k + 1, H). Returns (draft, logits, n, token): the
     accepted drafts n (B,) and the verifier's token (B,), the same on every rank of a tensor-parallel job, with the
-    chain and its processed logits (B, k' + 1, V) that emit goes on with. A tree is reduced to the chain of its
-    accepted path (follow_path)."""
+    chain and its processed logits (B, k' + 1, V) that emit goes on with (k' >= n: a lazy verdict processes no
+    column past the ones it reads). A tree is reduced to the chain of its accepted path (follow_path)."""
     if draft.parents is not None:
         return _choose_path(state, draft, hidden, base)
-    logits = state.process(state.adapter.logits(hidden).float())
+    raw = state.adapter.logits(hidden).float()
     if not state.do_sample:
+        logits = state.process(raw)
         n, token = verify_greedy(draft.tokens, logits, draft.draft_len)
+    elif lazy_processing(state):
+        processed = []  # the processed columns, in order: the lazy verdict asks for each once, in order
+
+        def column(j: int) -> torch.Tensor:  # (B, V) the target's distribution at verify column j
+            processed.append(state.process(raw[:, j : j + 1], offset=j)[:, 0])
+            return logits_to_probs(processed[-1])
+
+        n, token = verify_sampling_lazy(draft.tokens, column, draft.q, draft.draft_len)
+        logits = torch.stack(processed, dim=1)
     else:
+        logits = state.process(raw)
         n, token = verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len)
     return (draft, logits, *agree_across_ranks(n, token, draft.tokens, step=state.step))
+
+
+def lazy_processing(state: DecodeState) -> bool:
+    """Whether verification processes the target's logits only where its verdict reads them (columns up to the
+    first rejection, a tree's walked nodes) instead of all at once. On a CPU the processors' per-row cost decides:
+    top-p sorts the whole vocabulary, 4-6 ms a row on one core, against a step of about 70 ms. On a GPU one batched
+    call is cheaper than a host check per column."""
+    return bool(state.settings.processors) and state.device.type == "cpu"
 
 
 def _choose_path(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
     # every node's logits in one LM-head pass: for a few rows the pass costs about one read of the head's
     # weight, so scoring only the walked path level by level would cost more, not less
-    logits = state.process(state.adapter.logits(hidden).float())  # (B, N + 1, V)
+    raw = state.adapter.logits(hidden).float()  # (B, N + 1, V)
     rows = torch.arange(state.batch, device=state.device)
+    if lazy_processing(state):  # trees run prefix-free processors only, so any row can be processed alone
+        def logits_at(current: torch.Tensor) -> torch.Tensor:  # (B,) input indices -> (B, V)
+            return state.process(raw[rows, current][:, None])[:, 0]
+    else:
+        logits = state.process(raw)
 
-    def logits_at(current: torch.Tensor) -> torch.Tensor:  # (B,) input indices -> (B, V)
-        return logits[rows, current]
+        def logits_at(current: torch.Tensor) -> torch.Tensor:
+            return logits[rows, current]
 
     depth = state.settings.max_draft_tokens
     if not state.do_sample:

@@ -42,12 +42,49 @@ def verify_sampling(draft, p, q, draft_len):
     if k == 0:
         return torch.zeros_like(draft_len), sample(p[:, 0])
     p_x = p[:, :k].gather(2, draft[..., None]).squeeze(2)  # p(x_j) for each drafted x_j, (B, K)
-    # a deterministic draft is a point mass: q(x_j) = 1
-    q_x = torch.ones_like(p_x) if q is None else q.gather(2, draft[..., None]).squeeze(2)
     u = torch.rand_like(p_x)
-    n = accepted_prefix(u * q_x < p_x, draft_len)  # accept x_j with probability min(1, p/q)
+    n = accepted_prefix(u * drafted_q(draft, q) < p_x, draft_len)  # accept x_j with probability min(1, p/q)
     rows = torch.arange(draft.shape[0], device=draft.device)
-    p_n = p[rows, n]  # target distribution at the first unaccepted position, (B, V)
+    return n, correction(draft, p[rows, n], q, n, draft_len)
+
+
+def verify_sampling_lazy(draft, column, q, draft_len):
+    """verify_sampling with the target's distribution asked for one verify column at a time: `column(j)` -> (B, V)
+    p at column j, asked in order, each once, and never past the column at which every row has stopped. Where
+    processing a row is costly (top-p sorts the whole vocabulary: 4-6 ms a row on one CPU core), the columns after
+    every row's first rejection are then never processed. The same draws as verify_sampling, so given the same
+    columns it returns the same n and token; it costs one host check per column. Columns 0..max(n) are always
+    asked for (emit reads them)."""
+    k = draft.shape[1]
+    if k == 0:
+        return torch.zeros_like(draft_len), sample(column(0))
+    u = torch.rand(draft.shape, device=draft.device)  # as verify_sampling's rand_like of its float32 p(x_j)
+    q_x = drafted_q(draft, q)
+    cols, n = [], torch.zeros_like(draft_len)
+    running = draft_len > 0  # rows whose drafts so far were all accepted and which propose column j
+    for j in range(k):
+        cols.append(column(j))
+        taken = running & (u[:, j] * q_x[:, j] < cols[j].gather(1, draft[:, j, None])[:, 0])
+        n, running = n + taken.long(), taken & (j + 1 < draft_len)
+        if not bool(running.any()):
+            break
+    for j in range(len(cols), int(n.max()) + 1):  # the bonus column of rows that accepted every draft
+        cols.append(column(j))
+    p = torch.stack(cols, dim=1)  # (B, c, V)
+    rows = torch.arange(draft.shape[0], device=draft.device)
+    return n, correction(draft, p[rows, n], q, n, draft_len)
+
+
+def drafted_q(draft, q):
+    """(B, K) q(x_j) of each drafted token; a deterministic draft (q None) is a point mass, q(x_j) = 1."""
+    return torch.ones(draft.shape, device=draft.device) if q is None else q.gather(2, draft[..., None]).squeeze(2)
+
+
+def correction(draft, p_n, q, n, draft_len):
+    """The verifier's token after n (B,) accepted drafts: from the residual norm(max(0, p - q)) at the rejected
+    column, or from p_n (B, V), the target's distribution at column n, where every draft was accepted."""
+    k = draft.shape[1]
+    rows = torch.arange(draft.shape[0], device=draft.device)
     j = n.clamp(max=k - 1)  # rows with n == draft_len take the bonus path below; any valid index will do
     if q is None:
         q_n = torch.zeros_like(p_n)
@@ -60,4 +97,4 @@ def verify_sampling(draft, p, q, draft_len):
     # an empty residual (p <= q everywhere, e.g. p == q) leaves nothing to correct: sample p itself
     fallback = mass <= 0
     residual = torch.where(fallback, p_n, residual / mass.clamp(min=1e-30))
-    return n, sample(torch.where(rejected, residual, p_n))  # all drafts accepted: bonus token from p
+    return sample(torch.where(rejected, residual, p_n))  # all drafts accepted: bonus token from p

@@ -11,7 +11,7 @@ from transformers.generation import logits_process as lp
 
 import selfspec
 import selfspec.decoding
-from selfspec.sampling import sample, verify_greedy, verify_sampling
+from selfspec.sampling import sample, verify_greedy, verify_sampling, verify_sampling_lazy
 from distribution import accept_everything, chi_square_pvalue, exact_marginals
 
 VOCAB, ROWS, STEPS = 10, 6000, 4
@@ -45,6 +45,14 @@ def model_and_prompt():
     return _tiny_model(), torch.tensor([[3, 7, 5, 2]])
 
 
+@pytest.fixture(params=["lazy", "eager"])
+def verdict(request, monkeypatch):
+    """Both ways verification processes the target's logits: column by column up to the first rejection (lazy, the
+    CPU's way with processors) and all columns at once (eager, a GPU's)."""
+    monkeypatch.setattr(selfspec.decoding, "lazy_processing", lambda state: request.param == "lazy")
+    return request.param
+
+
 def test_unwrapped_sampler_passes_the_check(model_and_prompt):
     """Calibrates the check itself: HF's own sampler must pass it."""
     model, prompt = model_and_prompt
@@ -52,7 +60,7 @@ def test_unwrapped_sampler_passes_the_check(model_and_prompt):
 
 
 @pytest.mark.parametrize("threshold,cumulative", [(0.0, False), (0.15, False), (0.15, True)])
-def test_speculative_sampling_matches_target(model_and_prompt, threshold, cumulative):
+def test_speculative_sampling_matches_target(model_and_prompt, threshold, cumulative, verdict):
     model, prompt = model_and_prompt
     selfspec.wrap(model, exit_layer=1, max_draft_tokens=2, draft_confidence_threshold=threshold,
                   draft_confidence_cumulative=cumulative)
@@ -105,6 +113,55 @@ def test_verify_sampling_point_mass_and_empty_residual():
     n2, _ = verify_sampling(draft, p.expand(rows, 2, 3).clone(), p.expand(rows, 1, 3).clone(),
                             torch.ones(rows, dtype=torch.long))
     assert bool((n2 == 1).all())
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_lazy_verdict_makes_the_eager_ones_draws(point_mass):
+    """verify_sampling_lazy draws what verify_sampling draws, so on the same distributions it returns the same n and
+    token; it asks for the columns 0..max(n) in order and for none after them."""
+    gen = torch.Generator().manual_seed(3)
+    rows, k, vocab = 64, 4, 6
+    for trial in range(20):
+        p = torch.rand(rows, k + 1, vocab, generator=gen).mul(4).softmax(-1)
+        q = None if point_mass else torch.rand(rows, k, vocab, generator=gen).mul(4).softmax(-1)
+        draft = torch.randint(vocab, (rows, k), generator=gen)
+        draft_len = torch.randint(0, k + 1, (rows,), generator=gen)
+        torch.manual_seed(trial)
+        n, token = verify_sampling(draft, p, q, draft_len)
+        asked = []
+        torch.manual_seed(trial)
+        n_lazy, token_lazy = verify_sampling_lazy(draft, lambda j: asked.append(j) or p[:, j], q, draft_len)
+        assert torch.equal(n, n_lazy) and torch.equal(token, token_lazy), trial
+        assert asked == list(range(int(n.max()) + 1)), (asked, n.max())
+
+
+def test_lazy_verdict_stops_at_the_first_rejection():
+    """Drafts the target gives no mass are rejected at column 0 in every row: no later column is processed."""
+    rows, k, vocab = 8, 4, 5
+    p = torch.tensor([0.0, 0.4, 0.3, 0.2, 0.1]).expand(rows, k + 1, vocab)
+    asked = []
+    n, token = verify_sampling_lazy(torch.zeros(rows, k, dtype=torch.long), lambda j: asked.append(j) or p[:, j],
+                                    None, torch.full((rows,), k))
+    assert asked == [0] and bool((n == 0).all()) and bool((token != 0).all())
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_lazy_and_eager_verdicts_sample_the_same_tokens(model_and_prompt, monkeypatch, tree):
+    """Processing the target's logits column by column (or a tree's walked nodes one level at a time) gives each
+    row the bits that processing them all at once gives, so seeded generations under top-p are identical."""
+    model, prompt = model_and_prompt
+    shape = dict(draft_tree_top_k=2, draft_tree_size=4) if tree else {}
+    selfspec.wrap(model, exit_layer=1, max_draft_tokens=3, **shape)
+    outs = []
+    try:
+        for lazy in (True, False):
+            monkeypatch.setattr(selfspec.decoding, "lazy_processing", lambda state, lazy=lazy: lazy)
+            torch.manual_seed(5)
+            outs.append(model.generate(prompt.repeat(32, 1), do_sample=True, temperature=0.8, top_p=0.8,
+                                       max_new_tokens=8, pad_token_id=0))
+    finally:
+        selfspec.unwrap(model)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_verify_greedy_caps_at_draft_len():
@@ -165,7 +222,7 @@ def _wrapped_padded_pvalues(model, exact):
         selfspec.unwrap(model)
 
 
-def test_padded_penalised_batch_matches_target(model_and_prompt, exact_penalised):
+def test_padded_penalised_batch_matches_target(model_and_prompt, exact_penalised, verdict):
     """Rows of different prompt lengths that accept different numbers of drafts: the repetition penalty of every
     drafted and verified position must see exactly its own row's prefix (and not its padding)."""
     pvalues, stats = _wrapped_padded_pvalues(model_and_prompt[0], exact_penalised)
@@ -183,6 +240,14 @@ def _drafts_left_out_of_the_prefix(monkeypatch):
         [original(self, seq, lengths, logits[:, j : j + 1]) for j in range(logits.shape[1])], dim=1))
 
 
+def _column_offsets_dropped(monkeypatch):
+    """Planted bug for the lazy verdict, which processes one column at a time: a column is processed as if it came
+    right after the verified text, without the drafts before it in its prefix."""
+    original = selfspec.decoding.DecodeState.process
+    monkeypatch.setattr(selfspec.decoding.DecodeState, "process",
+                        lambda self, logits, offset=0: original(self, logits))
+
+
 def _penalise_the_padding(monkeypatch):
     """Planted bug: the per-row padding lengths of HF's repetition penalty are dropped, so pad id 0 is penalised."""
     import selfspec.processing
@@ -198,8 +263,10 @@ def _penalise_the_padding(monkeypatch):
     monkeypatch.setattr(selfspec.processing.PrefixProcessor, "__init__", init)
 
 
-@pytest.mark.parametrize("plant", ["accept_everything", _drafts_left_out_of_the_prefix, _penalise_the_padding])
-def test_padded_penalised_batch_negative_controls_fail(model_and_prompt, exact_penalised, monkeypatch, plant):
+@pytest.mark.parametrize("plant,lazy", [("accept_everything", True), (_drafts_left_out_of_the_prefix, False),
+                                        (_column_offsets_dropped, True), (_penalise_the_padding, True)])
+def test_padded_penalised_batch_negative_controls_fail(model_and_prompt, exact_penalised, monkeypatch, plant, lazy):
+    monkeypatch.setattr(selfspec.decoding, "lazy_processing", lambda state: lazy)
     if plant == "accept_everything":
         monkeypatch.setattr(selfspec.decoding, "choose", accept_everything)
     else:
