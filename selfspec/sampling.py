@@ -51,7 +51,7 @@ def verify_sampling(draft, p, q, draft_len):
 def verify_sampling_lazy(draft, column, q, draft_len):
     """verify_sampling with the target's distribution asked for one verify column at a time: `column(j)` -> (B, V)
     p at column j, asked in order, each once, and never past the column at which every row has stopped. Where
-    processing a row is costly (top-p sorts the whole vocabulary: 4-6 ms a row on one CPU core), the columns after
+    processing a row is costly (top-p sorts the whole vocabulary: about 4 ms a row on one CPU core), the columns after
     every row's first rejection are then never processed. The same draws as verify_sampling, so given the same
     columns it returns the same n and token; it costs one host check per column. Columns 0..max(n) are always
     asked for (emit reads them)."""
