@@ -299,6 +299,69 @@ def test_written_config_loads_and_generates_like_plain(tmp_path):
     assert fresh.selfspec.last_stats.drafted_tokens > 0  # it really ran speculatively
 
 
+def _sampled_spec(temperature: float = 0.8, top_p: float = 0.9) -> SearchSpec:
+    spec = _spec(max_draft_tokens={"min": 1, "max": 2}, exit_layer=[1, 2])
+    spec.measure = type(spec.measure)(**{**spec.measure.__dict__, "sample": True, "temperature": temperature,
+                                         "top_p": top_p})
+    return spec
+
+
+def test_a_sampled_calibration_samples_and_says_so(tmp_path, monkeypatch):
+    """With measure.sample every timed generate samples at the spec's temperature and top-p (plain generate too),
+    no trial is judged against plain generate's output, the cost model is off, and the study, its default name and
+    the written config record the decoding."""
+    from transformers import GenerationMixin
+
+    seen = []
+    original = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append((kwargs.get("do_sample"), kwargs.get("temperature"), kwargs.get("top_p")))
+        return original(self, *args, **kwargs)
+
+    import sys
+
+    wrap_module = sys.modules["selfspec.wrap"]  # the module (selfspec.wrap is the function)
+    decoded = []
+    speculative = wrap_module.speculative_decode
+
+    def spy_speculative(ctx, drafter, ids, mask, settings):
+        decoded.append(settings.do_sample)
+        return speculative(ctx, drafter, ids, mask, settings)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)  # plain generate
+    monkeypatch.setattr(wrap_module, "speculative_decode", spy_speculative)  # the trials'
+    model = make_model("llama", 4)
+    result = calibrate(model, _prompts(2), _sampled_spec(), output=str(tmp_path), trials=2, **QUIET)
+    assert seen and set(seen) == {(True, 0.8, 0.9)}, set(seen)
+    assert decoded and all(decoded)
+    calibration = result.best.metadata["calibration"]
+    assert calibration["decoding"] == "sample, temperature 0.8, top-p 0.9"
+    assert result.study_name.endswith("-sampled-temperature0.8-top-p0.9"), result.study_name
+    assert result.report["exactness"] is None and result.report["cost_model"] is None
+    assert "not compared with plain generate" in (tmp_path / "calibration_report.md").read_text()
+    study = optuna.load_study(study_name=result.study_name, storage=result.storage)
+    assert study.user_attrs["identity"]["decoding"] == calibration["decoding"]
+    assert not any("matches_plain" in t.user_attrs for t in study.trials)
+
+
+def test_a_study_refuses_another_decoding(tmp_path):
+    """Greedy trials and sampled ones are different measurements: a study keeps to the decoding it began with,
+    and a study stored before the identity had the key counts as greedy."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    model = make_model("llama", 4)
+    greedy = _spec(max_draft_tokens={"min": 1, "max": 2}, exit_layer=[1, 2])
+    calibrate(model, _prompts(2), greedy, storage=storage, study_name="s", trials=1, **QUIET)
+    with pytest.raises(ValueError, match="decoding"):
+        calibrate(model, _prompts(2), _sampled_spec(), storage=storage, study_name="s", trials=1, **QUIET)
+    study = optuna.load_study(study_name="s", storage=storage)
+    old = {k: v for k, v in study.user_attrs["identity"].items() if k != "decoding"}
+    study.set_user_attr("identity", old)  # as studies were stored before
+    with pytest.raises(ValueError, match="decoding"):
+        calibrate(model, _prompts(2), _sampled_spec(), storage=storage, study_name="s", trials=1, **QUIET)
+    calibrate(model, _prompts(2), greedy, storage=storage, study_name="s", trials=1, **QUIET)
+
+
 # --- bad input -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("space,message", [
     ({"exit_layer": [2, 9]}, r"exit_layer includes \[9\].*1\.\.5"),

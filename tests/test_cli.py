@@ -401,3 +401,11 @@ def test_submodules_resolve_after_a_bare_import():
     code = "import selfspec; f = selfspec.arch.adapter_for; print(f.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "adapter_for", out.stderr[-1000:]
+
+
+def test_calibrate_sampling_flags_need_sample_and_sane_values(capsys):
+    pytest.importorskip("optuna")
+    code, _, err = call(capsys, "calibrate", "--temperature", "0.7")
+    assert_one_line_error(code, err, "selfspec calibrate: error: --temperature", "add --sample")
+    code, _, err = call(capsys, "calibrate", "--sample", "--top-p", "1.5")
+    assert_one_line_error(code, err, "top_p in (0, 1]")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,12 @@ def parse_args(argv) -> argparse.Namespace:
                                    "space for MODEL, else 'default'; see selfspec/tools/calibrate/search_spaces/)")
     p.add_argument("--max-prompts", type=int, help="override measure.max_prompts")
     p.add_argument("--max-new-tokens", type=int, help="override measure.max_new_tokens")
+    p.add_argument("--sample", action="store_true", default=None,
+                   help="time sampled generation instead of greedy (measure.sample): sampling accepts fewer drafts, "
+                        "so its fastest setting differs")
+    p.add_argument("--temperature", type=float, help="override measure.temperature, with --sample")
+    p.add_argument("--top-p", type=float, help="override measure.top_p, with --sample")
+    p.add_argument("--seed", type=int, help="override measure.seed, with --sample")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="model precision; auto = the checkpoint's dtype, or for the embedded model bfloat16 where "
@@ -50,6 +57,12 @@ def _load_spec(args) -> SearchSpec:
         spec.measure.max_new_tokens = args.max_new_tokens
     if spec.measure.max_prompts < 1 or spec.measure.max_new_tokens < 2:
         raise ValueError("measure.max_prompts must be >= 1 and measure.max_new_tokens >= 2.")
+    sampling = {"sample": args.sample, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    given = {k: v for k, v in sampling.items() if v is not None}
+    if given and not (given.get("sample") or spec.measure.sample):
+        raise ValueError(f"--{next(iter(given)).replace('_', '-')} sets how sampled trials sample; add --sample "
+                         f"(or measure.sample: true in the space file).")
+    spec.measure = dataclasses.replace(spec.measure, **given)  # checks temperature and top-p again
     return spec
 
 

@@ -158,6 +158,9 @@ def build_predictor(model, base: SelfSpecConfig, prompts, answers, space: Search
                     log) -> Predictor | None:
     if not set(space.drafters) & set(MODELLED_DRAFTERS):
         return None
+    if measure.sample:  # its acceptance is replayed against greedy answers: a sampled run accepts other drafts
+        log("cost model: off when sampling (it replays greedy acceptance); every trial is measured")
+        return None
     engine = model.selfspec
     t0 = time.perf_counter()
     sequences = [cost_model.Sequence(p, a.to(p.device)) for p, a in zip(prompts, answers) if a.numel()]

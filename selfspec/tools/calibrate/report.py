@@ -60,11 +60,13 @@ def build_report(study, session: Session, confirmed: list[dict], plain_tps: floa
             "timings": predictor.timings.to_dict()},
         "study": {"name": study.study_name, "user_attrs": study.user_attrs},
         "measure": dataclasses.asdict(session.spec.measure), "space": session.space.to_dict(),
-        "all_outputs_match_plain": all(r["matches_plain"] for r in measured),
+        # sampled trials are not judged (their outputs differ from plain generate's by chance): None
+        "all_outputs_match_plain": None if session.spec.measure.sample else all(r["matches_plain"] for r in measured),
         # half precision: trials whose outputs part from plain only at near-ties (tools.verdict); any differs is a bug
-        "exactness": {"identical_trials": sum(1 for r in measured if r["matches_plain"]),
-                      "near_tie_trials": sum(1 for r in measured if r["near_ties"] and not r["differs"]),
-                      "differing_trials": sum(1 for r in measured if r["differs"])},
+        "exactness": None if session.spec.measure.sample else {
+            "identical_trials": sum(1 for r in measured if r["matches_plain"]),
+            "near_tie_trials": sum(1 for r in measured if r["near_ties"] and not r["differs"]),
+            "differing_trials": sum(1 for r in measured if r["differs"])},
     }
 
 
@@ -107,6 +109,10 @@ def report_markdown(report: dict) -> str:
 
 def _exactness_sentence(report: dict) -> str:
     ex = report.get("exactness")
+    if report.get("measure", {}).get("sample"):
+        m = report["measure"]
+        return (f"Sampled at temperature {m['temperature']}, top-p {m['top_p']} (seed {m['seed']}), so outputs were "
+                f"not compared with plain generate's.")
     if ex is None:  # a report written before verdicts were kept
         return f"Greedy outputs of every measured trial equal plain generate: {report['all_outputs_match_plain']}."
     return (f"Greedy outputs against plain generate: {ex['identical_trials']} trials identical, "

@@ -46,9 +46,25 @@ class MeasureSpec:
     """`measure:` how one trial is timed."""
 
     max_prompts: int = 6  # calibration prompts taken from the prompt file (round-robin over categories)
-    max_new_tokens: int = 40  # greedy tokens generated per prompt
+    max_new_tokens: int = 40  # tokens generated per prompt
     warmup_new_tokens: int = 4  # untimed generation with the trial's setting before timing it
     timing_repeats: int = 5  # repeats of each cost-model micro-timing (the fastest taken: load only adds time)
+    # how the user decodes: greedy by default; with sample, every timed generate samples at this temperature and
+    # top-p from the same seed, since sampling accepts fewer drafts and the fastest setting differs
+    sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"measure.temperature must be > 0 and measure.top_p in (0, 1], got temperature "
+                             f"{self.temperature} and top_p {self.top_p}.")
+
+    @property
+    def decoding(self) -> str:
+        """'greedy', or the sampling settings in words: what a study's trials were timed with."""
+        return f"sample, temperature {self.temperature}, top-p {self.top_p}" if self.sample else "greedy"
 
 
 @dataclass

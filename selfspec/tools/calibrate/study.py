@@ -32,13 +32,18 @@ def study_identity(model, name: str | None) -> dict:
     return {**model_identity(model, name), "heads": sorted(heads), "head_weights": fingerprint}
 
 
+# what a study stored before its identity recorded a key was made with: every such study decoded greedily
+_IMPLIED = {"decoding": "greedy"}
+
+
 def environment(model) -> dict:
     return measure_environment(next(model.parameters()).device, ("optuna",))
 
 
 def open_study(storage: str, study_name: str, identity: dict, seed: int, startup: int):
-    """Create the study or resume it; a stored study made for another model or device is refused. A study stored
-    before the identity recorded a key (the LM-head fingerprint came later) is compared on the keys it has."""
+    """Create the study or resume it; a stored study made for another model, device or decoding is refused. A study
+    stored before the identity recorded a key (the LM-head fingerprint came later) is compared on the keys it has,
+    and on what it implies for the others (_IMPLIED)."""
     import optuna
 
     with warnings.catch_warnings():
@@ -47,7 +52,8 @@ def open_study(storage: str, study_name: str, identity: dict, seed: int, startup
     study = optuna.create_study(study_name=study_name, storage=storage, direction="maximize", sampler=sampler,
                                 load_if_exists=True)
     stored = study.user_attrs.get("identity")
-    diff = {k: (stored[k], identity[k]) for k in identity if k in (stored or {}) and stored[k] != identity[k]}
+    known = {**_IMPLIED, **stored} if stored is not None else {}
+    diff = {k: (known[k], identity[k]) for k in identity if k in known and known[k] != identity[k]}
     if diff:
         raise ValueError(f"Study {study_name!r} in {storage} was made for another setup (stored vs now: {diff}); "
                          "pass another --study-name or --storage.")
@@ -126,6 +132,8 @@ class Session:
             trial.set_user_attr(key, m.stats.get(key))
         trial.set_user_attr("seconds", m.seconds)
         trial.set_user_attr("speedup_vs_plain", m.tokens_per_s / self.plain.tokens_per_s)
+        if self.spec.measure.sample:  # sampled outputs differ from plain generate's by chance: nothing to judge
+            return
         if self.plain_logits is None:
             self.plain_logits = PlainLogits(self.model, {"pad_token_id": pad_id_of(self.model)})
         counts = exactness(self.model, self.plain_logits, self.prompts, m.outputs, self.plain.outputs, chunk)
@@ -281,7 +289,8 @@ def confirm(session: Session, candidates: list, rounds: int, log) -> tuple[list[
     configs = [None] + [trial_config(session.base, t.params) for t in candidates]  # None: plain generate
     for config in configs[1:]:
         session.model.selfspec.config = config
-        generate_once(session.model, session.prompts[0], session.spec.measure.warmup_new_tokens or 2, plain=False)
+        generate_once(session.model, session.prompts[0], session.spec.measure.warmup_new_tokens or 2, plain=False,
+                      measure=session.spec.measure)
     totals = [[0, 0.0] for _ in configs]
     turn = 0
     for _ in range(rounds):
@@ -289,7 +298,8 @@ def confirm(session: Session, candidates: list, rounds: int, log) -> tuple[list[
             for j in [(turn + i) % len(configs) for i in range(len(configs))]:
                 if configs[j] is not None:
                     session.model.selfspec.config = configs[j]
-                m = time_generation(session.model, [ids], session.spec.measure.max_new_tokens, configs[j] is None)
+                m = time_generation(session.model, [ids], session.spec.measure.max_new_tokens, configs[j] is None,
+                                    session.spec.measure)
                 totals[j][0] += m.new_tokens
                 totals[j][1] += m.seconds
             turn += 1
@@ -356,12 +366,12 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
         os.makedirs(output, exist_ok=True)
         storage = default_storage(output)
     trials = 20 if trials is None and timeout is None else trials
-    identity = study_identity(model, model_name)
+    identity = {**study_identity(model, model_name), "decoding": spec.measure.decoding}
     study_name = study_name or _default_study_name(identity)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     log(f"calibrate: {identity['model_name']} ({identity['num_layers']} layers) on {identity['device']} "
-        f"{identity['dtype']}, {len(prompts)} prompts x {spec.measure.max_new_tokens} tokens, "
+        f"{identity['dtype']}, {spec.measure.decoding}, {len(prompts)} prompts x {spec.measure.max_new_tokens} tokens, "
         f"exit layers {space.exit_layers}, drafters {space.drafters}")
     study = open_study(storage, study_name, identity, spec.search.seed, spec.search.startup_trials)
     session = _prepare_session(model, base, prompts, space, spec, log)
@@ -388,13 +398,18 @@ def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
     packed = "-packed" if identity.get("packed") else ""
-    return f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}{packed}"
+    sampled = "" if identity.get("decoding", "greedy") == "greedy" else "-sampled"  # one study per decoding, below
+    study = f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}{packed}{sampled}"
+    if sampled:  # temperature and top-p in the name too, so that each sampling setting has a study of its own
+        study += "-" + identity["decoding"].removeprefix("sample, ").replace(", ", "-").replace(" ", "")
+    return study
 
 
 def _prepare_session(model, base, prompts, space, spec, log) -> Session:
     measure = spec.measure
-    generate_once(model, prompts[0], max(measure.warmup_new_tokens, 2), plain=True)  # warm-up: first calls are slow
-    plain = time_generation(model, prompts, measure.max_new_tokens, plain=True)
+    # warm-up: first calls are slow
+    generate_once(model, prompts[0], max(measure.warmup_new_tokens, 2), plain=True, measure=measure)
+    plain = time_generation(model, prompts, measure.max_new_tokens, plain=True, measure=measure)
     log(f"plain generate: {plain.tokens_per_s:.2f} tok/s ({plain.new_tokens} tokens in {plain.seconds:.1f}s)")
     predictor = build_predictor(model, base, prompts, plain.outputs, space, measure, log)
     return Session(model, base, prompts, plain, space, spec, predictor, log)
@@ -418,7 +433,7 @@ def _finish(model, study, session, base, storage, output, identity, log) -> Cali
     best = trial_config(base, winner["params"]).replace(metadata={
         "calibration": {"tokens_per_s": winner["confirmed_tokens_per_s"], "plain_tokens_per_s": plain_tps,
                         "speedup": winner["speedup"], "study": study.study_name, "trial": winner["trial"],
-                        "device": identity["device"], "dtype": identity["dtype"],
+                        "device": identity["device"], "dtype": identity["dtype"], "decoding": identity["decoding"],
                         "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
                         "per_drafter": best_per_drafter(study, confirmed)}})
     study.set_user_attr("final", {"best": winner, "plain_tokens_per_s": plain_tps})

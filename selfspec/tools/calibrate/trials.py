@@ -1,5 +1,5 @@
-"""What a trial runs: the calibration prompts, and greedy generation timed with device synchronisation (plain
-`generate` or the wrapped model at a trial's setting)."""
+"""What a trial runs: the calibration prompts, and generation (greedy, or sampled as measure.sample says) timed with
+device synchronisation (plain `generate` or the wrapped model at a trial's setting)."""
 from __future__ import annotations
 
 import sys
@@ -60,9 +60,18 @@ class Measurement:
     stats: dict = field(default_factory=dict)  # summed GenerationStats fields (speculative runs only)
 
 
-def generate_once(model, ids: torch.Tensor, new_tokens: int, plain: bool) -> torch.Tensor:
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+GREEDY = MeasureSpec()
+
+
+def generate_once(model, ids: torch.Tensor, new_tokens: int, plain: bool, measure: MeasureSpec = GREEDY
+                  ) -> torch.Tensor:
+    """One generate call, greedy or sampled as `measure` says; sampled from measure.seed, so that every setting and
+    plain generate draw alike."""
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=measure.sample,
                   pad_token_id=pad_id_of(model))
+    if measure.sample:  # these settings and nothing of the model's generation_config (its top_k, say)
+        kwargs.update(temperature=measure.temperature, top_p=measure.top_p, top_k=0)
+        torch.manual_seed(measure.seed)
     # the class's generate is Hugging Face's own; the instance attribute is the wrapped one
     generate = type(model).generate.__get__(model) if plain else model.generate
     return generate(ids, **kwargs)[0, ids.shape[1]:]
@@ -79,12 +88,14 @@ _STAT_KEYS = ("new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
 
 
 @torch.no_grad()
-def time_generation(model, prompts: list[torch.Tensor], new_tokens: int, plain: bool) -> Measurement:
-    """Greedy generation of every prompt, timed with device synchronisation; stats summed over prompts."""
+def time_generation(model, prompts: list[torch.Tensor], new_tokens: int, plain: bool,
+                    measure: MeasureSpec = GREEDY) -> Measurement:
+    """Generation of every prompt (greedy, or sampled as `measure` says), timed with device synchronisation; stats
+    summed over prompts."""
     device = prompts[0].device
     outputs, seconds, totals = [], 0.0, dict.fromkeys(_STAT_KEYS, 0)
     for ids in prompts:
-        out, took = timed(lambda: generate_once(model, ids, new_tokens, plain), device)
+        out, took = timed(lambda: generate_once(model, ids, new_tokens, plain, measure), device)
         seconds += took
         outputs.append(out.cpu())
         if not plain:
@@ -102,8 +113,8 @@ def time_setting(model, config: SelfSpecConfig, prompts, measure: MeasureSpec) -
     """Switch the engine to `config`, warm it up untimed, then time it."""
     model.selfspec.config = config.validate(model.selfspec.adapter.num_layers)
     if measure.warmup_new_tokens:
-        generate_once(model, prompts[0], measure.warmup_new_tokens, plain=False)
-    return time_generation(model, prompts, measure.max_new_tokens, plain=False)
+        generate_once(model, prompts[0], measure.warmup_new_tokens, plain=False, measure=measure)
+    return time_generation(model, prompts, measure.max_new_tokens, plain=False, measure=measure)
 
 
 # --- exactness -------------------------------------------------------------------------------------------------
