@@ -32,7 +32,7 @@ import torch
 
 from ..config import SelfSpecConfig
 from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, left_pad, load_prompts
-from .measure import eos_ids_of, loadavg, machine_info, timed, versions
+from .measure import eos_ids_of, loadavg, machine_info, sampling_kwargs, timed, versions
 from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge, verify_chunk
 
 BASELINE = "hf-greedy"
@@ -382,8 +382,8 @@ class Harness:
 
     def generate_kwargs(self, max_new: int) -> dict:
         kw = dict(max_new_tokens=max_new, pad_token_id=self.pad_id, do_sample=self.cfg.sample)
-        if self.cfg.sample:  # temperature (and top-p) sampling, whatever the model's generation_config says
-            kw.update(temperature=self.cfg.temperature, top_k=0, top_p=self.cfg.top_p)
+        if self.cfg.sample:
+            kw.update(sampling_kwargs(self.cfg.temperature, self.cfg.top_p))
         return kw
 
     @torch.no_grad()

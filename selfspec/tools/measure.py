@@ -100,6 +100,12 @@ def model_identity(model, name: str | None = None) -> dict:
             "packed": is_packed(model)}  # packed bf16 weights step faster: timings of another setup
 
 
+def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:
+    """generate() arguments that sample at exactly these settings: nothing of the model's generation_config (its
+    top_k, say) joins in. The bench and the calibrator time sampling with them."""
+    return dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+
+
 def eos_ids_of(model, tokenizer=None) -> list[int]:
     """The ids that end a generation: the generation config's (in its order), then the tokenizer's if it differs."""
     eos = model.generation_config.eos_token_id

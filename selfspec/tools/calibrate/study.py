@@ -398,11 +398,11 @@ def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
     packed = "-packed" if identity.get("packed") else ""
-    sampled = "" if identity.get("decoding", "greedy") == "greedy" else "-sampled"  # one study per decoding, below
-    study = f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}{packed}{sampled}"
-    if sampled:  # temperature and top-p in the name too, so that each sampling setting has a study of its own
-        study += "-" + identity["decoding"].removeprefix("sample, ").replace(", ", "-").replace(" ", "")
-    return study
+    decoding = {**_IMPLIED, **identity}["decoding"]
+    # one study per sampling setting: "-sampled-temperature0.7-top-p0.9"; greedy studies keep their old names
+    slug = decoding.removeprefix("sample, ").replace(", ", "-").replace(" ", "")
+    sampled = "" if decoding == "greedy" else f"-sampled-{slug}"
+    return f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}{packed}{sampled}"
 
 
 def _prepare_session(model, base, prompts, space, spec, log) -> Session:

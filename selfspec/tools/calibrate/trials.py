@@ -9,7 +9,7 @@ import torch
 
 from ...config import SelfSpecConfig
 from ...prompts import EVAL_CATEGORIES, chat_input_ids, load_prompts
-from ..measure import eos_ids_of, timed
+from ..measure import eos_ids_of, sampling_kwargs, timed
 from ..verdict import DIFFERS, IDENTICAL, NEAR_TIE, PlainLogits, judge
 from .space import MeasureSpec
 
@@ -69,8 +69,8 @@ def generate_once(model, ids: torch.Tensor, new_tokens: int, plain: bool, measur
     plain generate draw alike."""
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=measure.sample,
                   pad_token_id=pad_id_of(model))
-    if measure.sample:  # these settings and nothing of the model's generation_config (its top_k, say)
-        kwargs.update(temperature=measure.temperature, top_p=measure.top_p, top_k=0)
+    if measure.sample:
+        kwargs.update(sampling_kwargs(measure.temperature, measure.top_p))
         torch.manual_seed(measure.seed)
     # the class's generate is Hugging Face's own; the instance attribute is the wrapped one
     generate = type(model).generate.__get__(model) if plain else model.generate
