@@ -3,7 +3,8 @@ tokens costs what it does on this CPU.
 
     OMP_NUM_THREADS=1 python scripts/measure_gemm.py --threads 1
     python scripts/measure_gemm.py --shape 576 1536 --tokens 1 15 64 256 --dtypes bfloat16 float32
-    python scripts/measure_gemm.py --dtypes bfloat16 bfloat16-packed    # oneDNN's prepacked weight (pack_weights)
+    python scripts/measure_gemm.py --dtypes bfloat16 bfloat16-packed    # prepacked weight (pack_weights)
+    python scripts/measure_gemm.py --dtypes bfloat16-onednn bfloat16-packed   # without and with the small-row kernel
 
 A decoding step reads every weight once: at M=1 a matmul is bound by memory, and a pass over M tokens costs
 about the same while the extra multiply-adds fit in the time the weights take to arrive. Once they do not, the
@@ -45,12 +46,13 @@ def seconds_per_call(x: torch.Tensor, linear, repeats: int) -> float:
 
 
 def linear_of(name: str, weight: torch.Tensor):
-    """x -> x @ weight.T, the plain call or (name ending in -packed) the call on oneDNN's prepacked copy."""
-    if not name.endswith("-packed"):
+    """x -> x @ weight.T, the plain call, or the call on its packed copies: -packed as pack_weights makes them (the
+    small-row kernel for a few rows where it fits, oneDNN's call otherwise), -onednn oneDNN's alone."""
+    if not name.endswith(("-packed", "-onednn")):
         return lambda x: torch.nn.functional.linear(x, weight)
     from selfspec.packing import pack_matrix, packed_linear
 
-    packed = pack_matrix(weight)
+    packed = pack_matrix(weight, small=name.endswith("-packed"))
     return lambda x: packed_linear(x, weight, packed)
 
 
@@ -64,7 +66,7 @@ def main(argv=None) -> None:
     print("|---" * (len(args.tokens) + 1) + "|")
     with torch.no_grad():
         for name in args.dtypes:
-            dtype = getattr(torch, name.removesuffix("-packed"))
+            dtype = getattr(torch, name.removesuffix("-packed").removesuffix("-onednn"))
             weight = torch.randn(n_out, n_in).to(dtype)
             linear = linear_of(name, weight)
             cells = []

@@ -4,6 +4,7 @@ speculative decoding can pay on a device (a verify pass over K+1 tokens must cos
     OMP_NUM_THREADS=1 python scripts/measure_pass_cost.py --threads 1
     python scripts/measure_pass_cost.py --dtypes float32 bfloat16 --tokens 1 3 5 7 9 --cache 200 --repeats 12
     python scripts/measure_pass_cost.py --dtypes bfloat16 bfloat16-packed      # with selfspec.pack_weights
+    python scripts/measure_pass_cost.py --dtypes bfloat16-onednn bfloat16-packed   # without, with the small-row kernel
 
 Plain transformers, no selfspec: the embedded SmolLM2 (or --model) with a DynamicCache holding `--cache` tokens;
 each timed pass appends T tokens and is cropped back, so every pass sees the same cache. Passes of every
@@ -23,7 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="short name, local HF directory or hub id")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                   help="dtypes to compare; bfloat16-packed: bfloat16 after selfspec.pack_weights")
+                   help="dtypes to compare; bfloat16-packed: bfloat16 after selfspec.pack_weights; "
+                        "bfloat16-onednn: the same without the small-row kernel")
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 3, 5, 7, 9], help="pass sizes T (1 is the unit)")
     p.add_argument("--cache", type=int, default=200, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=12, help="interleaved repeats per (dtype, T); median reported")
@@ -65,11 +67,11 @@ def measure(args) -> dict:
     device = torch.device(args.device)
     runs = {}
     for name in args.dtypes:
-        model, _ = resolve_model(args.model, dtype=name.removesuffix("-packed"), device=device)
-        if name.endswith("-packed"):
+        model, _ = resolve_model(args.model, dtype=name.removesuffix("-packed").removesuffix("-onednn"), device=device)
+        if name.endswith(("-packed", "-onednn")):
             from selfspec.packing import pack_weights
 
-            pack_weights(model)
+            pack_weights(model, small_gemm=name.endswith("-packed"))
         runs[name] = (model, prefilled_cache(model, args.cache, device))
         for t in args.tokens:  # warm-up: first calls allocate and pick kernels
             time_pass(model, runs[name][1], t, device)

@@ -24,18 +24,30 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .small_gemm import SMALL_ROWS, SmallWeight, fit, small_linear
 
 PROBE_ROWS = (1, 2, 5, 16)  # token counts the bit-identity probe tries: a decoding step, drafts, verify passes
 _DENSE = [False]  # set by dense_weights(): packed modules compute from the dense weights
 
 
+@dataclass
+class Packed:
+    """A weight's prepacked copies: oneDNN's, and for calls of at most small_gemm.SMALL_ROWS rows the small-row
+    kernel's (None where it is unavailable or its bits would differ)."""
+
+    onednn: torch.Tensor
+    small: SmallWeight | None = None
+
+
 class PackedForward:
     """A Linear's forward over its prepacked weight; set as the module's `forward` attribute."""
 
-    def __init__(self, module: nn.Linear, packed: torch.Tensor):
+    def __init__(self, module: nn.Linear, packed: Packed):
         self.module = weakref.ref(module)  # no cycle module -> forward -> module
         self.packed = packed
         weight = module.weight
@@ -51,12 +63,19 @@ class PackedForward:
         return None if copy is None else types.MethodType(nn.Linear.forward, copy)
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T from `packed` (weight's packed copy, None when stale), or from the dense weight whenever autograd
-    records (training) or x is not a CPU bfloat16 tensor."""
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None) -> torch.Tensor:
+    """x @ weight.T from `packed` (weight's packed copies, None when stale), or from the dense weight whenever
+    autograd records (training) or x is not a CPU bfloat16 tensor. Calls of a few rows (a decoding step, a verify
+    pass) take the small-row kernel where it was fitted, larger ones (a prefill) oneDNN's."""
     if packed is None or _DENSE[0] or torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return nn.functional.linear(x, weight)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    if packed.small is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
+        return small_linear(x, packed.small)
+    return _onednn_linear(x.contiguous(), packed.onednn)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 @contextlib.contextmanager
@@ -96,28 +115,28 @@ def packable(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def pack_matrix(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a bfloat16 CPU weight (out, in), or None when its kernel's output differs from the
-    dense call's by a single bit on random inputs of PROBE_ROWS rows (packing must not change outputs)."""
+def pack_matrix(weight: torch.Tensor, small: bool = True) -> Packed | None:
+    """The packed copies of a bfloat16 CPU weight (out, in), or None when oneDNN's packed kernel's output differs
+    from the dense call's by a single bit on random inputs of PROBE_ROWS rows (packing must not change outputs).
+    With `small`, the small-row kernel is fitted too, against that packed call (small_gemm.fit)."""
     weight = weight.detach()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     generator = torch.Generator().manual_seed(0)
     for rows in PROBE_ROWS:
         x = torch.randn(1, rows, weight.shape[1], generator=generator).to(torch.bfloat16)
-        dense = nn.functional.linear(x, weight)
-        if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), dense):
+        if not torch.equal(_onednn_linear(x, packed), nn.functional.linear(x, weight)):
             return None
-    return packed
+    return Packed(packed, fit(weight, lambda x: _onednn_linear(x, packed)) if small else None)
 
 
 @torch.no_grad()
-def pack_linears(root: nn.Module) -> tuple[int, int]:
+def pack_linears(root: nn.Module, small: bool = True) -> tuple[int, int]:
     """Pack every packable Linear under `root` (already packed ones are kept): (packed now, refused by the probe)."""
     done, refused = 0, 0
     for module in root.modules():
         if not packable(module) or is_packed_module(module):
             continue
-        packed = pack_matrix(module.weight)
+        packed = pack_matrix(module.weight, small)
         if packed is None:
             refused += 1
             continue
@@ -134,6 +153,11 @@ def is_packed(root: nn.Module) -> bool:
     return any(is_packed_module(m) for m in root.modules())
 
 
+def packs_small(root: nn.Module) -> bool:
+    """Whether some packed Linear under `root` runs the small-row kernel for small calls."""
+    return any(is_packed_module(m) and m.forward.packed.small is not None for m in root.modules())
+
+
 def worth_packing(model: nn.Module) -> bool:
     """Whether pack_weights would find something to pack."""
     return packing_available() and any(packable(m) for m in model.modules())
@@ -146,13 +170,14 @@ def apply_choice(model: nn.Module, choice: bool | None) -> None:
         pack_weights(model)
 
 
-def pack_weights(model: nn.Module) -> int:
+def pack_weights(model: nn.Module, small_gemm: bool = True) -> int:
     """Prepack the model's bias-free bfloat16 Linear weights on CPU, in place; returns how many were packed.
-    Heads that a wrapped model adds afterwards are packed with it. Refuses a model with nothing to pack."""
+    Heads that a wrapped model adds afterwards are packed with it. Refuses a model with nothing to pack.
+    `small_gemm=False` keeps oneDNN's call for calls of every size (a side-by-side measure of the kernel)."""
     if not packing_available():
         raise ValueError("pack_weights needs torch's oneDNN (mkldnn) linear ops, which this torch build lacks; "
                          "use a CPU build of torch with mkldnn, or run without packing.")
-    done, refused = pack_linears(model)
+    done, refused = pack_linears(model, small_gemm)
     if refused:
         import warnings
 
@@ -165,7 +190,7 @@ def pack_weights(model: nn.Module) -> int:
         raise ValueError(f"pack_weights found nothing to pack ({found}): it packs bias-free bfloat16 nn.Linear "
                          f"weights on CPU. Load the model with dtype=torch.bfloat16 on CPU, or leave it unpacked.")
     for head in _heads_of(model):
-        pack_linears(head)
+        pack_linears(head, small_gemm)
     return done
 
 

@@ -16,7 +16,7 @@ from .drafters.base import Drafter
 from .forward import StepContext
 from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
-from .packing import is_packed, pack_linears
+from .packing import is_packed, pack_linears, packs_small
 
 
 class SelfSpecEngine:
@@ -56,7 +56,7 @@ class SelfSpecEngine:
         dtype = self.adapter.lm_head.weight.dtype
         head = head.to(device=device, dtype=dtype) if dtype.is_floating_point else head.to(device)
         if is_packed(self.model):  # selfspec.pack_weights ran: the head's Linears run packed like the model's
-            pack_linears(head)
+            pack_linears(head, packs_small(self.model))
         self.heads[head.exit_layer] = head.eval()
 
     def build_drafter(self) -> Drafter:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import selfspec
-from selfspec.packing import PackedForward, dense_weights, is_packed, packing_available
+from selfspec.packing import Packed, PackedForward, dense_weights, is_packed, packing_available
+from selfspec.small_gemm import fit, kernel_ops
 from tests.conftest import TEST_DEVICE, make_model, prompt
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not packing_available(),
@@ -24,6 +25,14 @@ def linears(model, with_bias: bool | None = None) -> list[nn.Linear]:
 
 def first_packed(model) -> PackedForward:
     return next(m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), PackedForward))
+
+
+def copies_of_zeros(weight: torch.Tensor) -> Packed:
+    """Packed copies (oneDNN's and, where fitted, the small-row kernel's) of an all-zero weight: what a test puts in
+    place of the real ones to show that the packed copies are what computes."""
+    zeros = torch.zeros_like(weight)
+    small = fit(zeros, lambda x: x @ zeros.T)
+    return Packed(torch.ops.mkldnn._reorder_linear_weight(zeros, None), small)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +69,7 @@ def test_packed_kernel_runs_and_gives_the_dense_bits():
     assert torch.equal(model(ids).logits, want)
     # the packed copy is what computes: a copy of other weights changes the output, until dense_weights()
     forward = first_packed(model)
-    forward.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(forward.module().weight), None)
+    forward.packed = copies_of_zeros(forward.module().weight)
     assert not torch.equal(model(ids).logits, want)
     with dense_weights():
         assert torch.equal(model(ids).logits, want)
@@ -98,7 +107,7 @@ def draft_vocabulary_rows_run_packed(model) -> None:
         assert torch.equal(adapter.logits(normed, head.vocab_ids), want)
     entry = _ROWS[id(head.vocab_ids)]
     assert entry.packed is not None
-    entry.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(entry.sub), None)
+    entry.packed = copies_of_zeros(entry.sub)
     assert not torch.equal(adapter.logits(normed, head.vocab_ids), want)
     entry.packed, entry.pack_tried = None, False  # packed again at the next call
 
@@ -138,13 +147,18 @@ def test_load_packs_bf16_on_cpu_by_default():
 
 def test_measurements_tell_packed_from_dense():
     """A calibration's study identity (and so its default study name) records packing: packed steps are faster,
-    so trials timed on the dense model are another setup's."""
+    so trials timed on the dense model are another setup's; and so does the small-row kernel, faster still."""
     from selfspec.tools.calibrate.study import _default_study_name
     from selfspec.tools.measure import model_identity
 
     model = make_model("llama", dtype=torch.bfloat16)
     dense = {**model_identity(model, "tiny"), "heads": []}
-    selfspec.pack_weights(model)
+    selfspec.pack_weights(model, small_gemm=False)
     packed = {**model_identity(model, "tiny"), "heads": []}
-    assert (dense["packed"], packed["packed"]) == (False, True)
+    assert (dense["packed"], packed["packed"], packed["small_gemm"]) == (False, True, False)
     assert _default_study_name(packed) == _default_study_name(dense) + "-packed"
+    if kernel_ops() is not None:
+        selfspec.unpack_weights(model)
+        selfspec.pack_weights(model)
+        small = {**model_identity(model, "tiny"), "heads": []}
+        assert small["small_gemm"] and _default_study_name(small) == _default_study_name(packed) + "-smallgemm"

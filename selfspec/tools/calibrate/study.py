@@ -32,8 +32,9 @@ def study_identity(model, name: str | None) -> dict:
     return {**model_identity(model, name), "heads": sorted(heads), "head_weights": fingerprint}
 
 
-# what a study stored before its identity recorded a key was made with: every such study decoded greedily
-_IMPLIED = {"decoding": "greedy"}
+# what a study stored before its identity recorded a key was made with: every such study decoded greedily, and
+# none had the small-row bf16 kernel
+_IMPLIED = {"decoding": "greedy", "small_gemm": False}
 
 
 def environment(model) -> dict:
@@ -398,6 +399,7 @@ def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
     packed = "-packed" if identity.get("packed") else ""
+    packed += "-smallgemm" if identity.get("small_gemm") else ""
     decoding = {**_IMPLIED, **identity}["decoding"]
     # one study per sampling setting: "-sampled-temperature0.7-top-p0.9"; greedy studies keep their old names
     slug = decoding.removeprefix("sample, ").replace(", ", "-").replace(" ", "")

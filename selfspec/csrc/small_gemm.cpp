@@ -1,0 +1,117 @@
+// y = x @ W.T for bfloat16 on CPUs with AVX512-BF16, for the few rows of a decoding step or a verify pass.
+//
+// Why: oneDNN's packed bf16 matmul spends as long on a 1-row call as on a 4-row one (the weight streams once
+// either way, and the call's own overhead is large); this kernel streams the weight once per call through
+// vdpbf16ps with every row's accumulators in registers, so small calls cost what their bytes cost.
+//
+// Bits: each output is accumulated in float32 over K in the order oneDNN's kernel uses on the machines it was
+// checked on: K cut into blocks of `k_block` (the last may be shorter), each block summed from zero pair by pair
+// by vdpbf16ps (k+1 before k within a pair), the block sums added in order, rounded once to bfloat16 (RNE). The
+// Python side (selfspec/small_gemm.py) probes each weight against oneDNN and uses this kernel only where the
+// bits agree, so switching kernels changes no output. Every row is computed alike whatever the row count, so a
+// row of a verify pass has the bits of the same row decoded alone.
+//
+// Packed layout (packed_weight): (N / 16, K / 2, 16, 2): 16 output columns x 1 pair of K per 64-byte vector.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+at::Tensor packed_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "small_gemm: weight must be 2-D bf16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % 32 == 0 && k % 2 == 0, "small_gemm: needs out % 32 == 0 and in % 2 == 0");
+  return weight.contiguous().view({n / 16, 16, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+struct Problem {
+  const uint16_t* x;  // (M, K) rows
+  const uint16_t* w;  // packed weight
+  uint16_t* y;        // (M, N) rows
+  int64_t k, n, k_block;
+};
+
+// Rows [0, R) of x against column groups [g0, g1) of NB blocks of 16 columns each.
+template <int R, int NB>
+void rows_times_groups(const Problem& p, int64_t g0, int64_t g1) {
+  const int64_t pairs = p.k / 2;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 total[NB][R];
+    const uint16_t* w = p.w + NB * g * pairs * 32;
+    for (int64_t start = 0; start < pairs; start += p.k_block / 2) {
+      const int64_t stop = std::min(pairs, start + p.k_block / 2);
+      __m512 acc[NB][R];
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+      for (int64_t kp = start; kp < stop; ++kp) {
+        __m512bh col[NB];
+        for (int b = 0; b < NB; ++b) col[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + kp) * 32);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, p.x + r * p.k + 2 * kp, 4);
+          const __m512bh row = (__m512bh)_mm512_set1_epi32(pair);
+          for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], row, col[b]);
+        }
+      }
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) total[b][r] = start == 0 ? acc[b][r] : _mm512_add_ps(total[b][r], acc[b][r]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b)
+        _mm256_storeu_si256((__m256i*)(p.y + r * p.n + 16 * (NB * g + b)),
+                            (__m256i)_mm512_cvtneps_pbh(total[b][r]));
+  }
+}
+
+using Kernel = void (*)(const Problem&, int64_t, int64_t);
+
+template <int NB, int... R>
+constexpr auto table(std::integer_sequence<int, R...>) {
+  return std::array<Kernel, sizeof...(R)>{rows_times_groups<R + 1, NB>...};
+}
+
+constexpr int kWideRows = 3;   // up to 3 rows: 4 column blocks a group (12 accumulators)
+constexpr int kNarrowRows = 12;  // otherwise 2 blocks a group and up to 12 rows (24 accumulators)
+const auto kWide = table<4>(std::make_integer_sequence<int, kWideRows>{});
+const auto kNarrow = table<2>(std::make_integer_sequence<int, kNarrowRows>{});
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "small_gemm: bf16 only");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && packed.dim() == 4, "small_gemm: CPU tensors");
+  const int64_t k = x.size(-1), n = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 2 == k && k_block >= 2 && k_block % 2 == 0, "small_gemm: shapes do not match");
+  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m = rows.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  Problem p{reinterpret_cast<const uint16_t*>(rows.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+            reinterpret_cast<uint16_t*>(y.data_ptr()), k, n, k_block};
+  const bool wide = m <= kWideRows && n % 64 == 0;
+  const int64_t groups = wide ? n / 64 : n / 32;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t r0 = 0; r0 < m; r0 += kNarrowRows) {
+      Problem part = p;
+      part.x += r0 * k;
+      part.y += r0 * n;
+      const int64_t r = std::min<int64_t>(kNarrowRows, m - r0);
+      (wide ? kWide[r - 1] : kNarrow[r - 1])(part, g0, g1);
+    }
+  });
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return y.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(selfspec_small_gemm, m) {
+  m.def("packed_weight(Tensor weight) -> Tensor", &packed_weight);
+  m.def("linear(Tensor x, Tensor packed, int k_block) -> Tensor", &linear);
+}

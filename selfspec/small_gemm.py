@@ -1,0 +1,134 @@
+"""A bfloat16 matmul for the few rows of a decoding step or a verify pass, with oneDNN's bits, on AVX512-BF16 CPUs.
+
+    from selfspec.small_gemm import fit, small_linear
+    small = fit(weight, onednn_call)        # None where the kernel is unavailable or its bits would differ
+    y = small_linear(x, small)              # x (..., in) bf16 with at most SMALL_ROWS rows -> (..., out)
+
+Why: on one core of an Intel Xeon with AVX512-BF16, oneDNN's prepacked call takes 113 us for one row of SmolLM2's
+576 -> 1536 projection and about as long for four; this kernel streams the weight once through vdpbf16ps with
+every row's sums in registers and takes about 50 us for one row (scripts/measure_gemm.py). A whole 1-token step
+of the model falls from 77 to 47 ms. Past a few rows both are bound by the same instruction's throughput.
+
+Bits: the kernel (csrc/small_gemm.cpp) sums each output in float32 in the order oneDNN uses there (K in blocks
+of `k_block`, each block from zero, the block sums added in order) and rounds once. `fit` checks that on random
+rows against the oneDNN call it would replace, and refuses the weight on a single differing bit, so using the
+kernel changes no output; on a CPU whose oneDNN sums in another order (AMX, another release) nothing is
+replaced. Rows never interact, so a row gives the same bits in a call of any size.
+
+The kernel is compiled on first use with torch's C++ extension loader (gcc or clang and ninja; about 20 s,
+cached under ~/.cache/torch_extensions). Without a compiler, or with SELFSPEC_SMALL_GEMM=0, packing keeps
+oneDNN's call for every size, with one warning saying why.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+SMALL_ROWS = 16  # calls with at most this many rows use the kernel; a prompt's prefill stays with oneDNN
+PROBE_ROWS = 128  # random rows `fit` compares: a wrong summation order shows as dozens of differing bits
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "small_gemm.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+
+
+@dataclass
+class SmallWeight:
+    """A weight in the kernel's layout, with the K blocks its sums must use to give oneDNN's bits: oneDNN sums a
+    1-row call in other blocks than a call of more rows once K passes 1024."""
+
+    packed: torch.Tensor  # (out / 16, in / 2, 16, 2) bf16
+    k_block_one: int  # for 1-row calls
+    k_block_many: int  # for calls of 2..SMALL_ROWS rows
+
+    def k_block(self, rows: int) -> int:
+        return self.k_block_one if rows == 1 else self.k_block_many
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no way to ask here, so no kernel
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_ops():
+    """torch.ops.selfspec_small_gemm, compiled and loaded once per process, or None (warned once) when it cannot be."""
+    reason = _unavailable_reason()
+    if reason is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            load("selfspec_small_gemm", [str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False, verbose=False)
+            return torch.ops.selfspec_small_gemm
+        except Exception as err:  # a missing compiler or ninja shows up here, in many shapes
+            reason = f"compiling it failed ({type(err).__name__}: {str(err).strip().splitlines()[-1][:200]})"
+    if reason != "disabled":
+        warnings.warn(f"selfspec's small-row bf16 kernel is off: {reason}; packed weights keep oneDNN's call for "
+                      f"every size (same outputs, slower steps). Install gcc and ninja to enable it, or set "
+                      f"SELFSPEC_SMALL_GEMM=0 to silence this.", stacklevel=3)
+    return None
+
+
+def _unavailable_reason() -> str | None:
+    if os.environ.get("SELFSPEC_SMALL_GEMM", "1") == "0":
+        return "disabled"
+    if not cpu_has_avx512_bf16():
+        return "disabled"  # nothing to gain without the instruction; not worth a warning
+    return None
+
+
+def k_block_candidates(k: int, rows: int) -> list[int]:
+    """K blocks to try, the one oneDNN was seen to use first (bit for bit, 20 shapes, K 192..5632, on an
+    AVX512-BF16 Xeon): all of K up to 512; past it 512 for a 1-row call, and for more rows 512 up to K = 1024 and
+    1024 beyond."""
+    seen = k if k <= 512 else 512 if rows == 1 or k <= 1024 else 1024
+    return [b for b in dict.fromkeys([seen, k, 512, 1024]) if b <= k]
+
+
+def supported(weight: torch.Tensor) -> bool:
+    out, inp = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out % 32 == 0 and inp % 2 == 0
+
+
+@torch.no_grad()
+def fit(weight: torch.Tensor, reference) -> SmallWeight | None:
+    """The weight in the kernel's layout, with the K blocks whose sums give `reference`'s bits (x -> x @ weight.T,
+    the oneDNN call being replaced) on PROBE_ROWS random rows in 1-row calls and as many in calls of 2 to
+    SMALL_ROWS rows; None when the kernel is unavailable, the shape unsupported, or no block gives every bit."""
+    ops = kernel_ops() if supported(weight) else None
+    if ops is None:
+        return None
+    packed = ops.packed_weight(weight.detach())
+    generator = torch.Generator().manual_seed(0)
+    blocks = []
+    for sizes in ([1] * PROBE_ROWS, _multi_row_calls()):
+        x = torch.randn(1, sum(sizes), weight.shape[1], generator=generator).to(torch.bfloat16)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        want = torch.cat([reference(x[:, a:a + n].contiguous()) for a, n in zip(starts, sizes)], 1)
+        found = [b for b in k_block_candidates(weight.shape[1], sizes[0]) if torch.equal(ops.linear(x, packed, b), want)]
+        if not found:
+            return None
+        blocks.append(found[0])
+    return SmallWeight(packed, *blocks)
+
+
+def _multi_row_calls() -> list[int]:
+    """Call sizes from 2 to SMALL_ROWS that add up to PROBE_ROWS rows: the sizes of drafts, verify passes, trees."""
+    sizes, size = [], 2
+    while sum(sizes) < PROBE_ROWS:
+        sizes.append(min(size, PROBE_ROWS - sum(sizes), SMALL_ROWS))
+        size = size % SMALL_ROWS + 1 if size < SMALL_ROWS else 2
+    if sizes[-1] == 1:  # a 1-row remainder would be judged by the other rule
+        sizes[-2:] = [sizes[-2] + 1]
+    return sizes
+
+
+def small_linear(x: torch.Tensor, small: SmallWeight) -> torch.Tensor:
+    """(..., in) bf16 CPU rows -> (..., out) through the kernel."""
+    rows = x.numel() // x.shape[-1]
+    return torch.ops.selfspec_small_gemm.linear(x, small.packed, small.k_block(rows))
