@@ -33,6 +33,7 @@ from .small_gemm import SMALL_ROWS, SmallWeight, fit, small_linear
 
 PROBE_ROWS = (1, 2, 5, 16)  # token counts the bit-identity probe tries: a decoding step, drafts, verify passes
 _DENSE = [False]  # set by dense_weights(): packed modules compute from the dense weights
+_ONEDNN = [False]  # set by onednn_weights(): packed modules leave the small-row kernel out
 
 
 @dataclass
@@ -69,7 +70,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None) 
     pass) take the small-row kernel where it was fitted, larger ones (a prefill) oneDNN's."""
     if packed is None or _DENSE[0] or torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return nn.functional.linear(x, weight)
-    if packed.small is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
+    if packed.small is not None and not _ONEDNN[0] and x.numel() <= SMALL_ROWS * x.shape[-1]:
         return small_linear(x, packed.small)
     return _onednn_linear(x.contiguous(), packed.onednn)
 
@@ -87,6 +88,22 @@ def dense_weights():
         yield
     finally:
         _DENSE[0] = before
+
+
+@contextlib.contextmanager
+def onednn_weights():
+    """Packed modules compute with oneDNN's call alone inside this block (the bench's hf-greedy-onednn: what the
+    small-row kernel gains, side by side)."""
+    before, _ONEDNN[0] = _ONEDNN[0], True
+    try:
+        yield
+    finally:
+        _ONEDNN[0] = before
+
+
+def computing_with(weights: str):
+    """The context for a baseline's weights: "packed" (as packed, nothing changed), "dense" or "onednn"."""
+    return {"packed": contextlib.nullcontext, "dense": dense_weights, "onednn": onednn_weights}[weights]()
 
 
 def _stamp(weight: torch.Tensor) -> tuple:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 SMALL_ROWS = 16  # calls with at most this many rows use the kernel; a prompt's prefill stays with oneDNN
-PROBE_ROWS = 128  # random rows `fit` compares: a wrong summation order shows as dozens of differing bits
+PROBE_ROWS = 128  # most random rows `fit` compares per rule, fewer for wide weights (PROBE_OUTPUTS)
+PROBE_OUTPUTS = 1 << 17  # outputs compared per rule: a wrong summation order shows in several of 131k
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "small_gemm.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
@@ -98,30 +99,52 @@ def supported(weight: torch.Tensor) -> bool:
 @torch.no_grad()
 def fit(weight: torch.Tensor, reference) -> SmallWeight | None:
     """The weight in the kernel's layout, with the K blocks whose sums give `reference`'s bits (x -> x @ weight.T,
-    the oneDNN call being replaced) on PROBE_ROWS random rows in 1-row calls and as many in calls of 2 to
-    SMALL_ROWS rows; None when the kernel is unavailable, the shape unsupported, or no block gives every bit."""
+    the oneDNN call being replaced); None when the kernel is unavailable, the shape unsupported, or no block gives
+    every bit. The blocks are found once per shape and process (`_blocks_for`: the order is the kernel's for that
+    shape, whatever the values); each weight then gets a short check of its own, a 1-row and a 5-row call."""
     ops = kernel_ops() if supported(weight) else None
     if ops is None:
         return None
     packed = ops.packed_weight(weight.detach())
+    shape = tuple(weight.shape)
+    if shape not in _BLOCKS:
+        _BLOCKS[shape] = _blocks_for(ops, packed, reference, shape[1])
+    if _BLOCKS[shape] is None:
+        return None
+    small = SmallWeight(packed, *_BLOCKS[shape])
+    x = torch.randn(1, 6, shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for part in (x[:, :1], x[:, 1:]):
+        if not torch.equal(small_linear(part.contiguous(), small), reference(part.contiguous())):
+            return None
+    return small
+
+
+# (out, in) -> (k_block_one, k_block_many), or None where no block gives oneDNN's bits; filled by fit
+_BLOCKS: dict[tuple[int, int], tuple[int, int] | None] = {}
+
+
+def _blocks_for(ops, packed: torch.Tensor, reference, k: int) -> tuple[int, int] | None:
+    """The K blocks giving `reference`'s bits on random rows in 1-row calls and as many in calls of 2 to SMALL_ROWS
+    rows (PROBE_OUTPUTS outputs each, within 16..PROBE_ROWS rows), or None."""
     generator = torch.Generator().manual_seed(0)
+    outputs_per_row = packed.shape[0] * 16
+    rows = min(PROBE_ROWS, max(SMALL_ROWS, PROBE_OUTPUTS // outputs_per_row))
     blocks = []
-    for sizes in ([1] * PROBE_ROWS, _multi_row_calls()):
-        x = torch.randn(1, sum(sizes), weight.shape[1], generator=generator).to(torch.bfloat16)
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        want = torch.cat([reference(x[:, a:a + n].contiguous()) for a, n in zip(starts, sizes)], 1)
-        found = [b for b in k_block_candidates(weight.shape[1], sizes[0]) if torch.equal(ops.linear(x, packed, b), want)]
+    for sizes in ([1] * rows, _multi_row_calls(rows)):
+        x = torch.randn(1, sum(sizes), k, generator=generator).to(torch.bfloat16)
+        want = torch.cat([reference(part.contiguous()) for part in x.split(sizes, dim=1)], 1)
+        found = [b for b in k_block_candidates(k, sizes[0]) if torch.equal(ops.linear(x, packed, b), want)]
         if not found:
             return None
         blocks.append(found[0])
-    return SmallWeight(packed, *blocks)
+    return blocks[0], blocks[1]
 
 
-def _multi_row_calls() -> list[int]:
-    """Call sizes from 2 to SMALL_ROWS that add up to PROBE_ROWS rows: the sizes of drafts, verify passes, trees."""
+def _multi_row_calls(rows: int) -> list[int]:
+    """Call sizes from 2 to SMALL_ROWS that add up to `rows`: the sizes of drafts, verify passes, trees."""
     sizes, size = [], 2
-    while sum(sizes) < PROBE_ROWS:
-        sizes.append(min(size, PROBE_ROWS - sum(sizes), SMALL_ROWS))
+    while sum(sizes) < rows:
+        sizes.append(min(size, rows - sum(sizes), SMALL_ROWS))
         size = size % SMALL_ROWS + 1 if size < SMALL_ROWS else 2
     if sizes[-1] == 1:  # a 1-row remainder would be judged by the other rule
         sizes[-2:] = [sizes[-2] + 1]

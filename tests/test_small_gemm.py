@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.packing import PackedForward, _onednn_linear, packs_small
+from selfspec.packing import PackedForward, _onednn_linear, onednn_weights, packs_small
 from selfspec.small_gemm import SMALL_ROWS, SmallWeight, cpu_has_avx512_bf16, fit, kernel_ops, small_linear
 from tests.conftest import TEST_DEVICE, make_model, prompt
 
@@ -97,6 +97,8 @@ def test_packed_linears_route_small_calls_to_the_kernel_and_prefills_to_onednn()
         forward.packed.small = SmallWeight(kernel_ops().packed_weight(zeros), 64, 64)
     assert torch.equal(model(ids).logits, want)  # a 20-token call: oneDNN's copy
     assert not torch.equal(model(ids[:, :SMALL_ROWS]).logits, want[:, :SMALL_ROWS])
+    with onednn_weights():  # the bench's hf-greedy-onednn: oneDNN's call at every size
+        assert torch.equal(model(ids[:, :SMALL_ROWS]).logits, want[:, :SMALL_ROWS])
 
 
 def test_switched_off_by_the_environment():

@@ -147,7 +147,9 @@ class Method:
 
     description = ""
     hf_assisted = False  # Hugging Face's assisted generation supports batch size 1 only
-    dense = False  # computes from the dense weights even where the model's are packed (selfspec.pack_weights)
+    # "packed": the model's weights as they are; "dense" or "onednn": a baseline computing from the dense weights, or
+    # from the packed ones without the small-row kernel, where the model's are packed (selfspec.pack_weights)
+    weights = "packed"
 
     def run(self, h: "Harness", batch: Batch, reference: list[list[int]] | None, max_new: int) -> Outcome:
         raise NotImplementedError
@@ -162,18 +164,18 @@ class HFMethod(Method):
     """The unwrapped model's own `generate`, with extra kwargs (assisted generation) from the harness."""
 
     def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None,
-                 chunk: Callable[["Harness"], int] | None = None, dense: bool = False):
+                 chunk: Callable[["Harness"], int] | None = None, weights: str = "packed"):
         self.description, self.extra, self.chunk = description, extra, chunk
-        self.hf_assisted, self.dense = extra is not None, dense
+        self.hf_assisted, self.weights = extra is not None, weights
 
     def verify_chunk(self, h):
         return self.chunk(h) if self.chunk else super().verify_chunk(h)
 
     def run(self, h, batch, reference, max_new):
-        from ..packing import dense_weights
+        from ..packing import computing_with
 
         counter = CandidateCounter()
-        with counter.attached(h.model), (dense_weights() if self.dense else contextlib.nullcontext()):
+        with counter.attached(h.model), computing_with(self.weights):
             rows, seconds = h.timed_generate(batch, max_new, **(self.extra(h) if self.extra else {}))
         new = sum(len(r) for r in rows)
         if not self.hf_assisted:
@@ -238,7 +240,9 @@ METHODS: dict[str, Method] = {
     "hf-greedy": HFMethod("plain model.generate (the 1.00x baseline)"),
     "hf-greedy-dense": HFMethod("plain model.generate from the dense weights (where the weights are packed, the "
                                 "default for bf16 on CPU: what packing gains; else the same as hf-greedy)",
-                                dense=True),
+                                weights="dense"),
+    "hf-greedy-onednn": HFMethod("plain model.generate from the packed weights without the small-row kernel (where "
+                                 "it runs: what the kernel gains; else the same as hf-greedy)", weights="onednn"),
     "hf-early-exit": HFMethod("Hugging Face assistant_early_exit=E (E chosen on train-split prompts)",
                               lambda h: {"assistant_early_exit": h.hf_exit_layer}),
     "hf-prompt-lookup": HFMethod("Hugging Face prompt_lookup_num_tokens=N",
@@ -271,7 +275,7 @@ def drafter_available(method: Method) -> bool:
 def default_methods(registry: dict[str, Method] = METHODS) -> tuple:
     """The core methods plus every other registered method whose drafter exists in this checkout."""
     extra = [n for n in registry if n not in CORE_METHODS and drafter_available(registry[n])
-             and not registry[n].dense]  # hf-greedy-dense only matters where the weights are packed
+             and registry[n].weights == "packed"]  # the other baselines only matter where the weights are packed
     return CORE_METHODS + tuple(extra)
 
 
