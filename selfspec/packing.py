@@ -18,6 +18,10 @@ rounds differently, float32 goes through MKL (packing gives other bits and no sp
 layers (bitsandbytes, accelerate hooks) compute their own way. The packed copy costs one more copy of those
 weights in memory. A packed module falls back to the dense call whenever autograd records (training), the
 input is not a CPU bfloat16 tensor, or its weight tensor was replaced or changed in place since packing.
+
+On CPUs with AVX512-BF16, calls of at most 16 rows (decoding steps, drafts, verify passes) go to selfspec's own
+kernel (small_gemm.py), fitted per weight to give oneDNN's bits: a 1-token step of SmolLM2 takes 58 ms instead of
+80 here. Prefills stay with oneDNN's call.
 """
 from __future__ import annotations
 
