@@ -4,20 +4,21 @@
     small = fit(weight, onednn_call)        # None where the kernel is unavailable or its bits would differ
     y = small_linear(x, small)              # x (..., in) bf16 with at most SMALL_ROWS rows -> (..., out)
 
-Why: on one core of an Intel Xeon with AVX512-BF16, oneDNN's prepacked call takes 113 us for one row of SmolLM2's
-576 -> 1536 projection and about as long for four; this kernel streams the weight once through vdpbf16ps with
-every row's sums in registers and takes about 50 us for one row (scripts/measure_gemm.py). A whole 1-token step
-of the model falls from 77 to 47 ms. Past a few rows both are bound by the same instruction's throughput.
+Why: on one core of an Intel Xeon with AVX512-BF16, oneDNN's prepacked call takes 134 us for one row of SmolLM2's
+576 -> 1536 projection, about what it takes for three; this kernel streams the weight once through vdpbf16ps with
+every row's sums in registers and takes 51 us for one row (scripts/measure_gemm.py). A whole 1-token step of the
+model falls from 79.5 to 58.1 ms (scripts/measure_pass_cost.py). From three rows on the two cost about the same.
 
 Bits: the kernel (csrc/small_gemm.cpp) sums each output in float32 in the order oneDNN uses there (K in blocks
-of `k_block`, each block from zero, the block sums added in order) and rounds once. `fit` checks that on random
-rows against the oneDNN call it would replace, and refuses the weight on a single differing bit, so using the
-kernel changes no output; on a CPU whose oneDNN sums in another order (AMX, another release) nothing is
-replaced. Rows never interact, so a row gives the same bits in a call of any size.
+of `k_block`, each block from zero, the block sums added in order) and rounds once. oneDNN's blocks differ
+between 1-row calls and wider ones once K passes 1024, so a weight carries one block for each. `fit` checks the
+blocks on random rows against the oneDNN call the kernel would replace, and refuses the weight on a single
+differing bit, so using the kernel changes no output; on a CPU whose oneDNN sums in another order (AMX, another
+release) nothing is replaced.
 
-The kernel is compiled on first use with torch's C++ extension loader (gcc or clang and ninja; about 20 s,
-cached under ~/.cache/torch_extensions). Without a compiler, or with SELFSPEC_SMALL_GEMM=0, packing keeps
-oneDNN's call for every size, with one warning saying why.
+The kernel is compiled on first use with torch's C++ extension loader (gcc or clang and ninja), then cached under
+~/.cache/torch_extensions. Where compiling fails packing keeps oneDNN's call for every size, with one warning
+saying why; SELFSPEC_SMALL_GEMM=0 does the same silently.
 """
 from __future__ import annotations
 
@@ -58,29 +59,21 @@ def cpu_has_avx512_bf16() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def kernel_ops():
-    """torch.ops.selfspec_small_gemm, compiled and loaded once per process, or None (warned once) when it cannot be."""
-    reason = _unavailable_reason()
-    if reason is None:
-        try:
-            from torch.utils.cpp_extension import load
+    """torch.ops.selfspec_small_gemm, compiled and loaded once per process, or None when it cannot be (warned once
+    where compiling failed; switched off, or a CPU without the instruction, is no news)."""
+    if os.environ.get("SELFSPEC_SMALL_GEMM", "1") == "0" or not cpu_has_avx512_bf16():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
 
-            load("selfspec_small_gemm", [str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False, verbose=False)
-            return torch.ops.selfspec_small_gemm
-        except Exception as err:  # a missing compiler or ninja shows up here, in many shapes
-            reason = f"compiling it failed ({type(err).__name__}: {str(err).strip().splitlines()[-1][:200]})"
-    if reason != "disabled":
-        warnings.warn(f"selfspec's small-row bf16 kernel is off: {reason}; packed weights keep oneDNN's call for "
-                      f"every size (same outputs, slower steps). Install gcc and ninja to enable it, or set "
-                      f"SELFSPEC_SMALL_GEMM=0 to silence this.", stacklevel=3)
-    return None
-
-
-def _unavailable_reason() -> str | None:
-    if os.environ.get("SELFSPEC_SMALL_GEMM", "1") == "0":
-        return "disabled"
-    if not cpu_has_avx512_bf16():
-        return "disabled"  # nothing to gain without the instruction; not worth a warning
-    return None
+        load("selfspec_small_gemm", [str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False, verbose=False)
+        return torch.ops.selfspec_small_gemm
+    except Exception as err:  # a missing compiler or ninja shows up here, in many shapes
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}"
+        warnings.warn(f"selfspec's small-row bf16 kernel is off: compiling it failed ({reason}); packed weights keep "
+                      f"oneDNN's call for every size (same outputs, slower steps). Install gcc and ninja to enable "
+                      f"it, or set SELFSPEC_SMALL_GEMM=0 to silence this.", stacklevel=3)
+        return None
 
 
 def k_block_candidates(k: int, rows: int) -> list[int]:
@@ -102,11 +95,11 @@ def fit(weight: torch.Tensor, reference) -> SmallWeight | None:
     the oneDNN call being replaced); None when the kernel is unavailable, the shape unsupported, or no block gives
     every bit. The blocks are found once per shape and process (`_blocks_for`: the order is the kernel's for that
     shape, whatever the values); each weight then gets a short check of its own, a 1-row and a 5-row call."""
+    shape = tuple(weight.shape)
     ops = kernel_ops() if supported(weight) else None
-    if ops is None:
+    if ops is None or (shape in _BLOCKS and _BLOCKS[shape] is None):  # a shape refused once is refused again
         return None
     packed = ops.packed_weight(weight.detach())
-    shape = tuple(weight.shape)
     if shape not in _BLOCKS:
         _BLOCKS[shape] = _blocks_for(ops, packed, reference, shape[1])
     if _BLOCKS[shape] is None:
@@ -145,7 +138,7 @@ def _multi_row_calls(rows: int) -> list[int]:
     sizes, size = [], 2
     while sum(sizes) < rows:
         sizes.append(min(size, rows - sum(sizes), SMALL_ROWS))
-        size = size % SMALL_ROWS + 1 if size < SMALL_ROWS else 2
+        size = size + 1 if size < SMALL_ROWS else 2
     if sizes[-1] == 1:  # a 1-row remainder would be judged by the other rule
         sizes[-2:] = [sizes[-2] + 1]
     return sizes

@@ -1,15 +1,15 @@
 // y = x @ W.T for bfloat16 on CPUs with AVX512-BF16, for the few rows of a decoding step or a verify pass.
 //
-// Why: oneDNN's packed bf16 matmul spends as long on a 1-row call as on a 4-row one (the weight streams once
-// either way, and the call's own overhead is large); this kernel streams the weight once per call through
-// vdpbf16ps with every row's accumulators in registers, so small calls cost what their bytes cost.
+// Why: oneDNN's packed bf16 matmul spends about as long on a 1-row call as on a 3-row one (its call's own
+// overhead is large); this kernel streams the weight once per call through vdpbf16ps with every row's
+// accumulators in registers (scripts/measure_gemm.py: 51 us against 134 us for one row of 576 -> 1536 here).
 //
 // Bits: each output is accumulated in float32 over K in the order oneDNN's kernel uses on the machines it was
 // checked on: K cut into blocks of `k_block` (the last may be shorter), each block summed from zero pair by pair
 // by vdpbf16ps (k+1 before k within a pair), the block sums added in order, rounded once to bfloat16 (RNE). The
 // Python side (selfspec/small_gemm.py) probes each weight against oneDNN and uses this kernel only where the
-// bits agree, so switching kernels changes no output. Every row is computed alike whatever the row count, so a
-// row of a verify pass has the bits of the same row decoded alone.
+// bits agree, so switching kernels changes no output. For one k_block every row is computed alike whatever the
+// row count; the caller picks the block by row count, as oneDNN's own blocks differ for 1-row calls.
 //
 // Packed layout (packed_weight): (N / 16, K / 2, 16, 2): 16 output columns x 1 pair of K per 64-byte vector.
 #include <ATen/ATen.h>
