@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import torch
 
 SMALL_ROWS = 16  # calls with at most this many rows use the kernel; a prompt's prefill stays with oneDNN
-PROBE_ROWS = 128  # most random rows `fit` compares per rule, fewer for wide weights (PROBE_OUTPUTS)
-PROBE_OUTPUTS = 1 << 17  # outputs compared per rule: a wrong summation order shows in several of 131k
+PROBE_ROWS = 1024  # most random rows `fit` compares per call kind, fewer for wide weights (PROBE_OUTPUTS)
+# outputs compared per call kind: a near-right block (all of K = 576 where oneDNN sums 512 + 64) differs in only
+# 1-2 outputs of 115k (scripts/check_small_gemm_blocks.py), so half a million are compared
+PROBE_OUTPUTS = 1 << 19
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "small_gemm.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
