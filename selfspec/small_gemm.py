@@ -7,7 +7,11 @@
 Why: on one core of an Intel Xeon with AVX512-BF16, oneDNN's prepacked call takes 134 us for one row of SmolLM2's
 576 -> 1536 projection, about what it takes for three; this kernel streams the weight once through vdpbf16ps with
 every row's sums in registers and takes 51 us for one row (scripts/measure_gemm.py). A whole 1-token step of the
-model falls from 79.5 to 58.1 ms (scripts/measure_pass_cost.py). From three rows on the two cost about the same.
+model falls from 79.5 to 58.1 ms (scripts/measure_pass_cost.py). From two rows on the kernel sums with float32
+FMAs, which retire twice vdpbf16ps's multiply-adds here, and prefetches the weight, so that a verify pass's rows
+hide under the weight's arrival: SmolLM2's matmuls over 5 rows cost 1.09x their 1-row time, 9 rows 1.27x
+(scripts/measure_step_gemms.py); a whole 5-token pass costs 1.21x a 1-token one, against 1.44x with vdpbf16ps
+alone (scripts/measure_pass_cost.py).
 
 Bits: the kernel (csrc/small_gemm.cpp) sums each output in float32 in the order oneDNN uses there (K in blocks
 of `k_block`, each block from zero, the block sums added in order) and rounds once. oneDNN's blocks differ

@@ -55,6 +55,20 @@ def test_kernel_sums_in_the_documented_order(k_block):
 
 
 @torch.no_grad()
+def test_one_row_and_many_row_paths_agree_on_denormals():
+    """One row runs through vdpbf16ps, several through float32 FMAs; for one K block every row must get the same
+    bits either way, also where products and sums fall below float32's normal range (vdpbf16ps flushes them;
+    the FMA path matches only under DAZ and FTZ)."""
+    scale = torch.tensor(2.0 ** -64)
+    weight, x = random_bf16(256, 128) * scale, random_bf16(12, 128, seed=2) * scale  # products near 2**-128
+    small = SmallWeight(kernel_ops().packed_weight(weight.to(torch.bfloat16)), 128, 128)
+    x = x.to(torch.bfloat16)
+    one_by_one = torch.cat([small_linear(row[None], small) for row in x])
+    assert (one_by_one != 0).float().mean() > 0.1  # not all flushed: the sums' own bits are compared
+    assert torch.equal(small_linear(x, small), one_by_one)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("shape", [(64, 192), (1536, 576), (576, 1536)])  # K of one block, of 512s, 512s/1024s
 def test_fitted_kernel_gives_onednns_bits_at_every_row_count(shape):
     weight = random_bf16(*shape)

@@ -1,12 +1,14 @@
 // y = x @ W.T for bfloat16 on CPUs with AVX512-BF16, for the few rows of a decoding step or a verify pass.
 //
 // Why: oneDNN's packed bf16 matmul spends about as long on a 1-row call as on a 3-row one (its call's own
-// overhead is large); this kernel streams the weight once per call through vdpbf16ps with every row's
-// accumulators in registers (scripts/measure_gemm.py: 51 us against 134 us for one row of 576 -> 1536 here).
+// overhead is large); this kernel streams the weight once per call with every row's accumulators in registers
+// (scripts/measure_gemm.py: 51 us against 134 us for one row of 576 -> 1536 here). One row goes through
+// vdpbf16ps; from two rows on, the same sums run as float32 FMAs, twice vdpbf16ps's multiply-adds per second on
+// this project's Xeon, with the weight prefetched ahead so that it keeps arriving from DRAM while they run.
 //
 // Bits: each output is accumulated in float32 over K in the order oneDNN's kernel uses on the machines it was
 // checked on: K cut into blocks of `k_block` (the last may be shorter), each block summed from zero pair by pair
-// by vdpbf16ps (k+1 before k within a pair), the block sums added in order, rounded once to bfloat16 (RNE). The
+// (k+1 before k within a pair, as vdpbf16ps does), the block sums added in order, rounded once to bfloat16 (RNE). The
 // Python side (selfspec/small_gemm.py) probes each weight against oneDNN and uses this kernel only where the
 // bits agree, so switching kernels changes no output. For one k_block every row is computed alike whatever the
 // row count; the caller picks the block by row count, as oneDNN's own blocks differ for 1-row calls.
@@ -24,6 +26,11 @@
 #include <vector>
 
 namespace {
+// Weight bytes are prefetched this many 64-byte vectors ahead in each column block's stream: from DRAM the
+// loads alone do not keep the weight arriving while a few rows' FMAs run (scripts/measure_step_gemms.py: all
+// of SmolLM2's matmuls over 5 rows took 1.42x their 1-row time without it, 1.1x with it; 32 was the best of
+// distances 8 to 256 tried).
+constexpr int64_t kPrefetchAhead = 32;
 
 at::Tensor packed_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "small_gemm: weight must be 2-D bf16");
@@ -39,9 +46,10 @@ struct Problem {
   int64_t k, n, k_block;
 };
 
-// Rows [0, R) of x against column groups [g0, g1) of NB blocks of 16 columns each.
-template <int R, int NB>
-void rows_times_groups(const Problem& p, int64_t g0, int64_t g1) {
+// One row of x against column groups [g0, g1) of NB blocks of 16 columns each, through vdpbf16ps.
+template <int NB>
+void one_row_groups(const Problem& p, int64_t g0, int64_t g1) {
+  constexpr int R = 1;
   const int64_t pairs = p.k / 2;
   for (int64_t g = g0; g < g1; ++g) {
     __m512 total[NB][R];
@@ -53,7 +61,10 @@ void rows_times_groups(const Problem& p, int64_t g0, int64_t g1) {
         for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
       for (int64_t kp = start; kp < stop; ++kp) {
         __m512bh col[NB];
-        for (int b = 0; b < NB; ++b) col[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + kp) * 32);
+        for (int b = 0; b < NB; ++b) {
+          _mm_prefetch((const char*)(w + (b * pairs + kp + kPrefetchAhead) * 32), _MM_HINT_T0);
+          col[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + kp) * 32);
+        }
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, p.x + r * p.k + 2 * kp, 4);
@@ -71,17 +82,67 @@ void rows_times_groups(const Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
-using Kernel = void (*)(const Problem&, int64_t, int64_t);
-
-template <int NB, int... R>
-constexpr auto table(std::integer_sequence<int, R...>) {
-  return std::array<Kernel, sizeof...(R)>{rows_times_groups<R + 1, NB>...};
+// Rows [0, R) against column groups [g0, g1) of NB blocks, in float32 FMAs over the weight widened from bf16:
+// on this project's Xeon vdpbf16ps retires 1.3 G a second (41 G multiply-adds) and vfmadd231ps 5.2 G (83 G),
+// so from two rows on, where the multiply-adds and not the weight's bytes set the time, this runs the same
+// sums twice as fast. Same bits: a product of two bf16 is exact in float32, so each FMA rounds once, as each
+// half of vdpbf16ps does (k + 1 first); vdpbf16ps treats denormal inputs as zero and flushes denormal results,
+// which the caller matches with MXCSR's DAZ and FTZ (FlushDenormals). `xf` holds the rows widened to float32.
+template <int R, int NB>
+void rows_times_groups_fma(const Problem& p, const float* xf, int64_t g0, int64_t g1) {
+  const int64_t pairs = p.k / 2;
+  const __m512i high_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 total[NB][R];
+    const uint16_t* w = p.w + NB * g * pairs * 32;
+    for (int64_t start = 0; start < pairs; start += p.k_block / 2) {
+      const int64_t stop = std::min(pairs, start + p.k_block / 2);
+      __m512 acc[NB][R];
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+      for (int64_t kp = start; kp < stop; ++kp) {
+        __m512 odd[NB], even[NB];  // weight k + 1 and k of 16 columns, as float32
+        for (int b = 0; b < NB; ++b) {
+          _mm_prefetch((const char*)(w + (b * pairs + kp + kPrefetchAhead) * 32), _MM_HINT_T0);
+          const __m512i raw = _mm512_loadu_si512(w + (b * pairs + kp) * 32);
+          odd[b] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+          even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512 x_odd = _mm512_set1_ps(xf[r * p.k + 2 * kp + 1]);
+          const __m512 x_even = _mm512_set1_ps(xf[r * p.k + 2 * kp]);
+          for (int b = 0; b < NB; ++b)
+            acc[b][r] = _mm512_fmadd_ps(even[b], x_even, _mm512_fmadd_ps(odd[b], x_odd, acc[b][r]));
+        }
+      }
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) total[b][r] = start == 0 ? acc[b][r] : _mm512_add_ps(total[b][r], acc[b][r]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b)
+        _mm256_storeu_si256((__m256i*)(p.y + r * p.n + 16 * (NB * g + b)),
+                            (__m256i)_mm512_cvtneps_pbh(total[b][r]));
+  }
 }
 
-constexpr int kWideRows = 3;   // up to 3 rows: 4 column blocks a group (12 accumulators)
+// Denormal inputs read as zero and denormal results flushed, as vdpbf16ps does, for this thread while in scope.
+struct FlushDenormals {
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15) | DAZ (bit 6)
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+using Fma = void (*)(const Problem&, const float*, int64_t, int64_t);
+
+template <int NB, int... R>
+constexpr auto fma_table(std::integer_sequence<int, R...>) {
+  return std::array<Fma, sizeof...(R)>{rows_times_groups_fma<R + 1, NB>...};
+}
+
+constexpr int kWideRows = 3;   // 2-3 rows: 4 column blocks a group (12 accumulators, 8 widened weights)
 constexpr int kNarrowRows = 12;  // otherwise 2 blocks a group and up to 12 rows (24 accumulators)
-const auto kWide = table<4>(std::make_integer_sequence<int, kWideRows>{});
-const auto kNarrow = table<2>(std::make_integer_sequence<int, kNarrowRows>{});
+const auto kWide = fma_table<4>(std::make_integer_sequence<int, kWideRows>{});
+const auto kNarrow = fma_table<2>(std::make_integer_sequence<int, kNarrowRows>{});
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "small_gemm: bf16 only");
@@ -93,17 +154,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block
   at::Tensor y = at::empty({m, n}, x.options());
   Problem p{reinterpret_cast<const uint16_t*>(rows.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
             reinterpret_cast<uint16_t*>(y.data_ptr()), k, n, k_block};
-  const bool wide = m <= kWideRows && n % 64 == 0;
-  const int64_t groups = wide ? n / 64 : n / 32;
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t r0 = 0; r0 < m; r0 += kNarrowRows) {
-      Problem part = p;
-      part.x += r0 * k;
-      part.y += r0 * n;
-      const int64_t r = std::min<int64_t>(kNarrowRows, m - r0);
-      (wide ? kWide[r - 1] : kNarrow[r - 1])(part, g0, g1);
+  if (m == 1 && n % 64 == 0) {  // one row: the weight's bytes set the time, vdpbf16ps keeps up
+    at::parallel_for(0, n / 64, 4, [&](int64_t g0, int64_t g1) { one_row_groups<4>(p, g0, g1); });
+  } else {
+    std::vector<float> widened(m * k);  // bf16 -> float32 is a shift into the high half; done here, a torch
+    for (int64_t i = 0; i < m * k; ++i) {  // conversion costs 10 us a call in dispatch alone
+      const uint32_t bits = uint32_t(p.x[i]) << 16;
+      std::memcpy(&widened[i], &bits, 4);
     }
-  });
+    const float* xf = widened.data();
+    const bool wide = m <= kWideRows && n % 64 == 0;
+    const int64_t groups = wide ? n / 64 : n / 32;
+    at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+      FlushDenormals flush;
+      for (int64_t g = g0; g < g1; ++g)  // every chunk of rows over one group while its weights are in cache
+        for (int64_t r0 = 0; r0 < m; r0 += kNarrowRows) {
+          Problem part = p;
+          part.x += r0 * k;
+          part.y += r0 * n;
+          const int64_t r = std::min<int64_t>(kNarrowRows, m - r0);
+          (wide ? kWide[r - 1] : kNarrow[r - 1])(part, xf + r0 * k, g, g + 1);
+        }
+    });
+  }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
   return y.view(shape);
