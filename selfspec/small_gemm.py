@@ -35,6 +35,9 @@ from dataclasses import dataclass
 import torch
 
 SMALL_ROWS = 16  # calls with at most this many rows use the kernel; a prompt's prefill stays with oneDNN
+# the kernel's timing revision, in study identities (timings of one revision are not another's): 1 was
+# vdpbf16ps at every row count; 2 sums rows 2-16 with float32 FMAs and prefetches the weight
+KERNEL_REVISION = 2
 PROBE_ROWS = 1024  # most random rows `fit` compares per call kind, fewer for wide weights (PROBE_OUTPUTS)
 # outputs compared per call kind: a near-right block (all of K = 576 where oneDNN sums 512 + 64) differs in only
 # 1-2 outputs of 115k (scripts/check_small_gemm_blocks.py), so half a million are compared
