@@ -39,35 +39,37 @@ def k_block(k: int) -> int:  # the timing does not depend on which block; one th
     return min(k, 512)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from selfspec.models import resolve_model
-    from selfspec.small_gemm import kernel_ops
-
-    ops = kernel_ops()
-    if ops is None:
-        raise SystemExit("the small-row kernel is unavailable here (needs AVX512-BF16 and a compiler)")
-    shapes = step_shapes(resolve_model(args.model, dtype="bfloat16")[0].config)
+def median_pass_seconds(ops, shapes, tokens, repeats) -> dict[int, float]:
+    """M -> median seconds of one pass of every matmul in `shapes` over M rows, passes of each M interleaved."""
     weights = [ops.packed_weight(torch.randn(o, i).to(torch.bfloat16)) for o, i in shapes]
-    rows = {(m, k): torch.randn(m, k).to(torch.bfloat16) for m in args.tokens for k in {i for _, i in shapes}}
-    times = {m: [] for m in args.tokens}
-    for _ in range(args.repeats + 1):  # the first round warms up
-        for m in args.tokens:
+    rows = {(m, k): torch.randn(m, k).to(torch.bfloat16) for m in tokens for k in {i for _, i in shapes}}
+    times = {m: [] for m in tokens}
+    for _ in range(repeats + 1):  # the first round warms up
+        for m in tokens:
             start = time.perf_counter()
             for w in weights:
                 k = w.shape[1] * 2
                 ops.linear(rows[m, k], w, k_block(k))
             times[m].append(time.perf_counter() - start)
-    median = {m: statistics.median(t[1:]) for m, t in times.items()}
+    return {m: statistics.median(t[1:]) for m, t in times.items()}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    from selfspec.models import resolve_model
+    from selfspec.small_gemm import kernel_ops
+
+    if kernel_ops() is None:
+        raise SystemExit("the small-row kernel is unavailable here (needs AVX512-BF16 and a compiler)")
+    shapes = step_shapes(resolve_model(args.model, dtype="bfloat16")[0].config)
+    median = median_pass_seconds(kernel_ops(), shapes, args.tokens, args.repeats)
     unit = median[min(args.tokens)]
     print(f"{args.model}: {len(shapes)} matmuls a pass, {sum(o * i for o, i in shapes) * 2 / 1e6:.0f} MB of bf16 "
           f"weights, {torch.get_num_threads()} thread(s), median of {args.repeats}")
     print("| M | " + " | ".join(str(m) for m in args.tokens) + " |")
     print("|---" * (len(args.tokens) + 1) + "|")
     print("| pass | " + " | ".join(f"{median[m] * 1e3:.1f} ms ({median[m] / unit:.2f}x)" for m in args.tokens) + " |")
-
 
 if __name__ == "__main__":
     main()

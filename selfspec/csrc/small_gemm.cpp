@@ -46,10 +46,11 @@ struct Problem {
   int64_t k, n, k_block;
 };
 
-// One row of x against column groups [g0, g1) of NB blocks of 16 columns each, through vdpbf16ps.
-template <int NB>
-void one_row_groups(const Problem& p, int64_t g0, int64_t g1) {
-  constexpr int R = 1;
+// Rows [0, R) of x against column groups [g0, g1) of NB blocks of 16 columns each: K in blocks of k_block, each
+// summed from zero, the block sums added in order, one rounding to bf16. `Sums` adds one pair of K to every
+// accumulator (DotBf16, WidenedFma below); each column block's stream is prefetched ahead as it goes.
+template <int R, int NB, class Sums>
+void rows_times_groups(const Problem& p, const Sums& sums, int64_t g0, int64_t g1) {
   const int64_t pairs = p.k / 2;
   for (int64_t g = g0; g < g1; ++g) {
     __m512 total[NB][R];
@@ -60,17 +61,12 @@ void one_row_groups(const Problem& p, int64_t g0, int64_t g1) {
       for (int b = 0; b < NB; ++b)
         for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
       for (int64_t kp = start; kp < stop; ++kp) {
-        __m512bh col[NB];
+        const uint16_t* cols[NB];  // this pair of K for each block's 16 columns: one 64-byte vector
         for (int b = 0; b < NB; ++b) {
-          _mm_prefetch((const char*)(w + (b * pairs + kp + kPrefetchAhead) * 32), _MM_HINT_T0);
-          col[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + kp) * 32);
+          cols[b] = w + (b * pairs + kp) * 32;
+          _mm_prefetch((const char*)(cols[b] + kPrefetchAhead * 32), _MM_HINT_T0);
         }
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, p.x + r * p.k + 2 * kp, 4);
-          const __m512bh row = (__m512bh)_mm512_set1_epi32(pair);
-          for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], row, col[b]);
-        }
+        sums.template add_pair<R, NB>(p, cols, kp, acc);
       }
       for (int b = 0; b < NB; ++b)
         for (int r = 0; r < R; ++r) total[b][r] = start == 0 ? acc[b][r] : _mm512_add_ps(total[b][r], acc[b][r]);
@@ -82,48 +78,47 @@ void one_row_groups(const Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
-// Rows [0, R) against column groups [g0, g1) of NB blocks, in float32 FMAs over the weight widened from bf16:
-// on this project's Xeon vdpbf16ps retires 1.3 G a second (41 G multiply-adds) and vfmadd231ps 5.2 G (83 G),
-// so from two rows on, where the multiply-adds and not the weight's bytes set the time, this runs the same
-// sums twice as fast. Same bits: a product of two bf16 is exact in float32, so each FMA rounds once, as each
-// half of vdpbf16ps does (k + 1 first); vdpbf16ps treats denormal inputs as zero and flushes denormal results,
-// which the caller matches with MXCSR's DAZ and FTZ (FlushDenormals). `xf` holds the rows widened to float32.
-template <int R, int NB>
-void rows_times_groups_fma(const Problem& p, const float* xf, int64_t g0, int64_t g1) {
-  const int64_t pairs = p.k / 2;
-  const __m512i high_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 total[NB][R];
-    const uint16_t* w = p.w + NB * g * pairs * 32;
-    for (int64_t start = 0; start < pairs; start += p.k_block / 2) {
-      const int64_t stop = std::min(pairs, start + p.k_block / 2);
-      __m512 acc[NB][R];
-      for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-      for (int64_t kp = start; kp < stop; ++kp) {
-        __m512 odd[NB], even[NB];  // weight k + 1 and k of 16 columns, as float32
-        for (int b = 0; b < NB; ++b) {
-          _mm_prefetch((const char*)(w + (b * pairs + kp + kPrefetchAhead) * 32), _MM_HINT_T0);
-          const __m512i raw = _mm512_loadu_si512(w + (b * pairs + kp) * 32);
-          odd[b] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
-          even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m512 x_odd = _mm512_set1_ps(xf[r * p.k + 2 * kp + 1]);
-          const __m512 x_even = _mm512_set1_ps(xf[r * p.k + 2 * kp]);
-          for (int b = 0; b < NB; ++b)
-            acc[b][r] = _mm512_fmadd_ps(even[b], x_even, _mm512_fmadd_ps(odd[b], x_odd, acc[b][r]));
-        }
-      }
-      for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < R; ++r) total[b][r] = start == 0 ? acc[b][r] : _mm512_add_ps(total[b][r], acc[b][r]);
+// One pair of K by vdpbf16ps: each row's bf16 pair broadcast against each block's 16 column pairs.
+struct DotBf16 {
+  template <int R, int NB>
+  void add_pair(const Problem& p, const uint16_t* const (&cols)[NB], int64_t kp, __m512 (&acc)[NB][R]) const {
+    __m512bh col[NB];
+    for (int b = 0; b < NB; ++b) col[b] = (__m512bh)_mm512_loadu_si512(cols[b]);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p.x + r * p.k + 2 * kp, 4);
+      const __m512bh row = (__m512bh)_mm512_set1_epi32(pair);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], row, col[b]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < NB; ++b)
-        _mm256_storeu_si256((__m256i*)(p.y + r * p.n + 16 * (NB * g + b)),
-                            (__m256i)_mm512_cvtneps_pbh(total[b][r]));
   }
-}
+};
+
+// One pair of K by float32 FMAs over the weight widened from bf16: on this project's Xeon vdpbf16ps retires 1.1 G a
+// second (36 G multiply-adds) and vfmadd231ps 5.1 G (81 G; scripts/check_fma_vs_dpbf16.c), so from two rows on,
+// where the multiply-adds and not the weight's bytes set the time, this runs the same sums about twice as fast.
+// Same bits: a product of two bf16 is exact in float32, so each FMA rounds once, as each half of vdpbf16ps does
+// (k + 1 first); vdpbf16ps treats denormal inputs as zero and flushes denormal results, which the caller matches
+// with MXCSR's DAZ and FTZ (FlushDenormals). `xf` holds the rows widened to float32.
+struct WidenedFma {
+  const float* xf;
+
+  template <int R, int NB>
+  void add_pair(const Problem& p, const uint16_t* const (&cols)[NB], int64_t kp, __m512 (&acc)[NB][R]) const {
+    const __m512i high_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+    __m512 odd[NB], even[NB];  // weight k + 1 and k of 16 columns, as float32
+    for (int b = 0; b < NB; ++b) {
+      const __m512i raw = _mm512_loadu_si512(cols[b]);
+      odd[b] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+      even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 x_odd = _mm512_set1_ps(xf[r * p.k + 2 * kp + 1]);
+      const __m512 x_even = _mm512_set1_ps(xf[r * p.k + 2 * kp]);
+      for (int b = 0; b < NB; ++b)
+        acc[b][r] = _mm512_fmadd_ps(even[b], x_even, _mm512_fmadd_ps(odd[b], x_odd, acc[b][r]));
+    }
+  }
+};
 
 // Denormal inputs read as zero and denormal results flushed, as vdpbf16ps does, for this thread while in scope.
 struct FlushDenormals {
@@ -132,11 +127,11 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
-using Fma = void (*)(const Problem&, const float*, int64_t, int64_t);
+using Fma = void (*)(const Problem&, const WidenedFma&, int64_t, int64_t);
 
 template <int NB, int... R>
 constexpr auto fma_table(std::integer_sequence<int, R...>) {
-  return std::array<Fma, sizeof...(R)>{rows_times_groups_fma<R + 1, NB>...};
+  return std::array<Fma, sizeof...(R)>{rows_times_groups<R + 1, NB, WidenedFma>...};
 }
 
 constexpr int kWideRows = 3;   // 2-3 rows: 4 column blocks a group (12 accumulators, 8 widened weights)
@@ -155,7 +150,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block
   Problem p{reinterpret_cast<const uint16_t*>(rows.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
             reinterpret_cast<uint16_t*>(y.data_ptr()), k, n, k_block};
   if (m == 1 && n % 64 == 0) {  // one row: the weight's bytes set the time, vdpbf16ps keeps up
-    at::parallel_for(0, n / 64, 4, [&](int64_t g0, int64_t g1) { one_row_groups<4>(p, g0, g1); });
+    at::parallel_for(0, n / 64, 4, [&](int64_t g0, int64_t g1) { rows_times_groups<1, 4>(p, DotBf16{}, g0, g1); });
   } else {
     std::vector<float> widened(m * k);  // bf16 -> float32 is a shift into the high half; done here, a torch
     for (int64_t i = 0; i < m * k; ++i) {  // conversion costs 10 us a call in dispatch alone
@@ -173,7 +168,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block
           part.x += r0 * k;
           part.y += r0 * n;
           const int64_t r = std::min<int64_t>(kNarrowRows, m - r0);
-          (wide ? kWide[r - 1] : kNarrow[r - 1])(part, xf + r0 * k, g, g + 1);
+          (wide ? kWide[r - 1] : kNarrow[r - 1])(part, WidenedFma{xf + r0 * k}, g, g + 1);
         }
     });
   }
