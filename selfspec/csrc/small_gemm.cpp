@@ -27,9 +27,10 @@
 
 namespace {
 // Weight bytes are prefetched this many 64-byte vectors ahead in each column block's stream: from DRAM the
-// loads alone do not keep the weight arriving while a few rows' FMAs run (scripts/measure_step_gemms.py: all
-// of SmolLM2's matmuls over 5 rows took 1.42x their 1-row time without it, 1.1x with it; 32 was the best of
-// distances 8 to 256 tried).
+// loads alone do not keep the weight arriving while a few rows' FMAs run. scripts/measure_step_gemms.py, all of
+// SmolLM2's matmuls over 5 rows against 1 row (bench_results/fma-xeon/prefetch.txt, one build each): 1.35x
+// without the prefetch, 1.22x at 8, 1.07x at 32, 1.04x at 128. Separate builds' absolute times are not
+// comparable on this shared machine, so whether 128 beats 32 on the 1-row time is not settled; 32 stays.
 constexpr int64_t kPrefetchAhead = 32;
 
 at::Tensor packed_weight(const at::Tensor& weight) {
