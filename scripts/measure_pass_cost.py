@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
 
@@ -70,6 +69,7 @@ def time_pass(model, cache, t: int, device) -> float:
 
 @torch.no_grad()
 def measure(args) -> dict:
+    from selfspec.forward import gqa_in_sdpa
     from selfspec.models import resolve_model
 
     device = torch.device(args.device)
@@ -88,7 +88,7 @@ def measure(args) -> dict:
     for _ in range(args.repeats):
         for name, gqa in variants:
             model, cache = runs[name]
-            with gqa_in_place(gqa):
+            with gqa_in_sdpa() if gqa else contextlib.nullcontext():
                 for t in args.tokens:
                     times[row_name(name, gqa), t].append(time_pass(model, cache, t, device))
     return {key: statistics.median(v) for key, v in times.items()}
@@ -96,19 +96,6 @@ def measure(args) -> dict:
 
 def row_name(name: str, gqa: bool) -> str:
     return f"{name}, GQA in place" if gqa else name
-
-
-@contextlib.contextmanager
-def gqa_in_place(on: bool):
-    """transformers' sdpa reads this at every call; set only while `on`."""
-    if not on:
-        yield
-        return
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
-    try:
-        yield
-    finally:
-        del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
 
 
 def table(medians: dict, dtypes, tokens, gqa: bool = False) -> str:

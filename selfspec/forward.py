@@ -46,15 +46,21 @@ class RemainderResult:
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # read by transformers' sdpa_attention_forward at every call
 
 
-@contextlib.contextmanager
-def masked_gqa_in_sdpa(adapter: ArchAdapter, device: torch.device):
+def masked_gqa_in_sdpa(adapter: ArchAdapter, device: torch.device) -> contextlib.AbstractContextManager:
     """Lets sdpa attend grouped KV heads in place even with a mask, on CPU: transformers otherwise copies the KV
     of every layer to all query heads (repeat_kv) whenever a mask is given, which is every verify pass and tree,
     while a plain decoding step (no mask) skips the copy. On CPU the two give the same bits (tests/test_forward);
     over an 800-token cache a 3-token pass cost 1.41x a 1-token one with the copies and 1.12x without here
     (scripts/measure_pass_cost.py --gqa-in-place). Not on CUDA, where a masked grouped call falls back to the
     math kernel; a value the user set is left as it is."""
-    if device.type != "cpu" or adapter.attn_impl != "sdpa" or _FORCE_GQA in os.environ:
+    return gqa_in_sdpa() if device.type == "cpu" and adapter.attn_impl == "sdpa" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def gqa_in_sdpa():
+    """transformers' sdpa attends grouped KV heads in place, mask or not, while in scope (TRANSFORMERS_SDPA_FORCE_GQA
+    set to 1 and removed after); a value already set is left as it is."""
+    if _FORCE_GQA in os.environ:
         yield
         return
     os.environ[_FORCE_GQA] = "1"
