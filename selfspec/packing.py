@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .small_gemm import SMALL_ROWS, SmallWeight, fit, small_linear
+from .small_gemm import KERNEL_REVISION, SMALL_ROWS, SmallWeight, fit, small_linear
 
 PROBE_ROWS = (1, 2, 5, 16)  # token counts the bit-identity probe tries: a decoding step, drafts, verify passes
 _DENSE = [False]  # set by dense_weights(): packed modules compute from the dense weights
@@ -177,6 +177,12 @@ def is_packed(root: nn.Module) -> bool:
 def packs_small(root: nn.Module) -> bool:
     """Whether some packed Linear under `root` runs the small-row kernel for small calls."""
     return any(is_packed_module(m) and m.forward.packed.small is not None for m in root.modules())
+
+
+def small_kernel_revision(root: nn.Module) -> int | bool:
+    """The small-row kernel's revision (small_gemm.KERNEL_REVISION) where `root` runs it, else False: what study
+    identities and bench metadata record, since each revision steps at another speed."""
+    return KERNEL_REVISION if packs_small(root) else False
 
 
 def worth_packing(model: nn.Module) -> bool:

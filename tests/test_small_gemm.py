@@ -59,10 +59,8 @@ def test_one_row_and_many_row_paths_agree_on_denormals():
     """One row runs through vdpbf16ps, several through float32 FMAs; for one K block every row must get the same
     bits either way, also where products and sums fall below float32's normal range (vdpbf16ps flushes them;
     the FMA path matches only under DAZ and FTZ)."""
-    scale = torch.tensor(2.0 ** -64)
-    weight, x = random_bf16(256, 128) * scale, random_bf16(12, 128, seed=2) * scale  # products near 2**-128
-    small = SmallWeight(kernel_ops().packed_weight(weight.to(torch.bfloat16)), 128, 128)
-    x = x.to(torch.bfloat16)
+    weight, x = random_bf16(256, 128) * 2.0 ** -64, random_bf16(12, 128, seed=2) * 2.0 ** -64  # products near 2**-128
+    small = SmallWeight(kernel_ops().packed_weight(weight), 128, 128)
     one_by_one = torch.cat([small_linear(row[None], small) for row in x])
     assert (one_by_one != 0).float().mean() > 0.1  # not all flushed: the sums' own bits are compared
     assert torch.equal(small_linear(x, small), one_by_one)

@@ -903,8 +903,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         from ..models import dtype_name, resolve_model
-        from ..packing import apply_choice, is_packed, packs_small
-        from ..small_gemm import KERNEL_REVISION
+        from ..packing import apply_choice, is_packed, small_kernel_revision
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         apply_choice(model, cfg.pack_weights)
@@ -923,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "selfspec bench " + shlex.join(argv), "machine": {**machine_info(device),
             "loadavg_start": loadavg_start, "loadavg_end": loadavg()}, "versions": versions(),
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
-                      "packed": is_packed(model), "small_gemm": packs_small(model) and KERNEL_REVISION,
+                      "packed": is_packed(model), "small_gemm": small_kernel_revision(model),
                       "parameters": sum(p.numel() for p in model.parameters())},
             "settings": asdict(cfg)}
     paths = write_outputs(result, meta, cfg.output or default_output(cfg))

@@ -92,14 +92,13 @@ def model_identity(model, name: str | None = None) -> dict:
     type, sizes and an LM-head fingerprint that tells checkpoints of one shape apart), device type and dtype."""
     from ..arch import adapter_for
     from ..io import model_identity as weights_identity
-    from ..packing import is_packed, packs_small
-    from ..small_gemm import KERNEL_REVISION
+    from ..packing import is_packed, small_kernel_revision
 
     param = next(model.parameters())
     return {"model_name": name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
             **weights_identity(adapter_for(model)), "device": param.device.type, "dtype": str(param.dtype),
             # packed bf16 weights step faster, more so with the small-row kernel (its revision: each is faster)
-            "packed": is_packed(model), "small_gemm": KERNEL_REVISION if packs_small(model) else False}
+            "packed": is_packed(model), "small_gemm": small_kernel_revision(model)}
 
 
 def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:
