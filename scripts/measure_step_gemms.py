@@ -5,8 +5,9 @@ real step, so from DRAM rather than from cache (scripts/measure_gemm.py reuses o
     python scripts/measure_step_gemms.py --tokens 1 3 5 9 15 --repeats 9
 
 Runs the small-row kernel (selfspec/small_gemm.py) over random weights of the model's shapes: per decoder layer
-q, k, v, o, gate, up, down, then the LM head, M rows each. Passes of every M are interleaved repeat by repeat;
-the table gives the median 1-row pass and each M-row pass divided by it. Where the ratio stays near 1 the extra
+q, k, v, o, gate, up, down, then the LM head, M rows each, with each of the kernel's sums of many rows (--sums:
+vdpbf16ps, float32 FMAs). Passes of every M and sums are interleaved repeat by repeat; the table gives each
+median pass and its ratio to the 1-row pass. Where the ratio stays near 1 the extra
 rows' multiply-adds hide under the weight's arrival, which is what lets a verify pass cost about one step.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="short name or local HF directory (only its config's shapes are used)")
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 3, 5, 9, 15], help="rows M per matmul")
     p.add_argument("--repeats", type=int, default=7, help="interleaved passes per M; median reported")
+    p.add_argument("--sums", nargs="+", default=["dot", "fma"], choices=["dot", "fma"],
+                   help="the kernel's sums of 2+ rows to compare (1-row calls are vdpbf16ps either way)")
     p.add_argument("--threads", type=int, default=None)
     return p.parse_args(argv)
 
@@ -39,19 +42,20 @@ def k_block(k: int) -> int:  # the timing does not depend on which block; one th
     return min(k, 512)
 
 
-def median_pass_seconds(ops, shapes, tokens, repeats) -> dict[int, float]:
-    """M -> median seconds of one pass of every matmul in `shapes` over M rows, passes of each M interleaved."""
+def median_pass_seconds(ops, shapes, runs, repeats) -> dict[tuple[str, int], float]:
+    """(sums, M) -> median seconds of one pass of every matmul in `shapes` over M rows with those sums, the runs
+    interleaved."""
     weights = [ops.packed_weight(torch.randn(o, i).to(torch.bfloat16)) for o, i in shapes]
-    rows = {(m, k): torch.randn(m, k).to(torch.bfloat16) for m in tokens for k in {i for _, i in shapes}}
-    times = {m: [] for m in tokens}
+    rows = {(m, k): torch.randn(m, k).to(torch.bfloat16) for _, m in runs for k in {i for _, i in shapes}}
+    times = {run: [] for run in runs}
     for _ in range(repeats + 1):  # the first round warms up
-        for m in tokens:
+        for sums, m in runs:
             start = time.perf_counter()
             for w in weights:
                 k = w.shape[1] * 2
-                ops.linear(rows[m, k], w, k_block(k))
-            times[m].append(time.perf_counter() - start)
-    return {m: statistics.median(t[1:]) for m, t in times.items()}
+                ops.linear(rows[m, k], w, k_block(k), sums == "fma")
+            times[sums, m].append(time.perf_counter() - start)
+    return {run: statistics.median(t[1:]) for run, t in times.items()}
 
 
 def main(argv=None) -> None:
@@ -63,13 +67,16 @@ def main(argv=None) -> None:
     if kernel_ops() is None:
         raise SystemExit("the small-row kernel is unavailable here (needs AVX512-BF16 and a compiler)")
     shapes = step_shapes(resolve_model(args.model, dtype="bfloat16")[0].config)
-    median = median_pass_seconds(kernel_ops(), shapes, args.tokens, args.repeats)
-    unit = median[min(args.tokens)]
+    runs = [(sums, m) for sums in args.sums for m in args.tokens]
+    median = median_pass_seconds(kernel_ops(), shapes, runs, args.repeats)
     print(f"{args.model}: {len(shapes)} matmuls a pass, {sum(o * i for o, i in shapes) * 2 / 1e6:.0f} MB of bf16 "
-          f"weights, {torch.get_num_threads()} thread(s), median of {args.repeats}")
-    print("| M | " + " | ".join(str(m) for m in args.tokens) + " |")
+          f"weights, {torch.get_num_threads()} thread(s), median of {args.repeats}; ratios to sums' 1-row pass")
+    print("| sums \\ M | " + " | ".join(str(m) for m in args.tokens) + " |")
     print("|---" * (len(args.tokens) + 1) + "|")
-    print("| pass | " + " | ".join(f"{median[m] * 1e3:.1f} ms ({median[m] / unit:.2f}x)" for m in args.tokens) + " |")
+    for sums in args.sums:
+        unit = median[sums, min(args.tokens)]
+        print(f"| {sums} | " + " | ".join(f"{median[sums, m] * 1e3:.1f} ms ({median[sums, m] / unit:.2f}x)"
+                                          for m in args.tokens) + " |")
 
 if __name__ == "__main__":
     main()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .small_gemm import KERNEL_REVISION, SMALL_ROWS, SmallWeight, fit, small_linear
+from .small_gemm import KERNEL_REVISION, SMALL_ROWS, SmallWeight, fit, many_row_sums, small_linear
 
 PROBE_ROWS = (1, 2, 5, 16)  # token counts the bit-identity probe tries: a decoding step, drafts, verify passes
 _DENSE = [False]  # set by dense_weights(): packed modules compute from the dense weights
@@ -179,10 +179,11 @@ def packs_small(root: nn.Module) -> bool:
     return any(is_packed_module(m) and m.forward.packed.small is not None for m in root.modules())
 
 
-def small_kernel_revision(root: nn.Module) -> int | bool:
-    """The small-row kernel's revision (small_gemm.KERNEL_REVISION) where `root` runs it, else False: what study
-    identities and bench metadata record, since each revision steps at another speed."""
-    return KERNEL_REVISION if packs_small(root) else False
+def small_kernel_revision(root: nn.Module) -> str | bool:
+    """The small-row kernel's revision (small_gemm.KERNEL_REVISION) and its sums of many rows, as "3-dot", where
+    `root` runs it, else False: what study identities and bench metadata record, since each steps at another
+    speed."""
+    return f"{KERNEL_REVISION}-{many_row_sums()}" if packs_small(root) else False
 
 
 def worth_packing(model: nn.Module) -> bool:

@@ -7,11 +7,12 @@
 Why: on one core of an Intel Xeon with AVX512-BF16, oneDNN's prepacked call takes 134 us for one row of SmolLM2's
 576 -> 1536 projection, about what it takes for three; this kernel streams the weight once through vdpbf16ps with
 every row's sums in registers and takes 51 us for one row (scripts/measure_gemm.py). A whole 1-token step of the
-model falls from 79.5 to 58.1 ms (scripts/measure_pass_cost.py). From two rows on the kernel sums with float32
-FMAs, which retire twice vdpbf16ps's multiply-adds here, and prefetches the weight, so that a verify pass's rows
-hide under the weight's arrival: SmolLM2's matmuls over 5 rows cost 1.09x their 1-row time, 9 rows 1.27x
-(scripts/measure_step_gemms.py); a whole 5-token pass costs 1.21x a 1-token one, against 1.44x with vdpbf16ps
-alone (scripts/measure_pass_cost.py).
+model falls from 79.5 to 58.1 ms (scripts/measure_pass_cost.py). From two rows on the kernel sums either with
+vdpbf16ps or with float32 FMAs over the widened weight, whichever a probe finds faster on the CPU (many_row_sums),
+and prefetches the weight, so that a verify pass's rows hide under the weight's arrival. On the Xeon FMAs won:
+SmolLM2's matmuls over 5 rows cost 1.09x their 1-row time, 9 rows 1.27x, and a whole 5-token pass 1.21x a 1-token
+one against 1.44x with vdpbf16ps alone (scripts/measure_pass_cost.py). On an AMD EPYC (Zen 5) vdpbf16ps wins:
+5 rows 1.16x, 9 rows 1.31x, against 1.34x and 1.62x with FMAs (scripts/measure_step_gemms.py).
 
 Bits: the kernel (csrc/small_gemm.cpp) sums each output in float32 in the order oneDNN uses there (K in blocks
 of `k_block`, each block from zero, the block sums added in order) and rounds once. oneDNN's blocks differ
@@ -29,6 +30,8 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import statistics
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -36,8 +39,11 @@ import torch
 
 SMALL_ROWS = 16  # calls with at most this many rows use the kernel; a prompt's prefill stays with oneDNN
 # the kernel's timing revision, in study identities (timings of one revision are not another's): 1 was
-# vdpbf16ps at every row count; 2 sums rows 2-16 with float32 FMAs and prefetches the weight
-KERNEL_REVISION = 2
+# vdpbf16ps at every row count; 2 summed rows 2-16 with float32 FMAs and prefetched the weight; 3 sums rows 2-16
+# with whichever of the two is faster on the CPU (many_row_sums), the weight prefetched either way
+KERNEL_REVISION = 3
+SUMS = ("dot", "fma")  # vdpbf16ps, or float32 FMAs over the widened weight: the two sums of calls of 2+ rows
+PROBE_SUMS_ROUNDS = 7  # interleaved timing rounds of many_row_sums's probe, median kept
 PROBE_ROWS = 1024  # most random rows `fit` compares per call kind, fewer for wide weights (PROBE_OUTPUTS)
 # outputs compared per call kind: a near-right block (all of K = 576 where oneDNN sums 512 + 64) differs in only
 # 1-2 outputs of 115k (scripts/check_small_gemm_blocks.py), so half a million are compared
@@ -54,6 +60,7 @@ class SmallWeight:
     packed: torch.Tensor  # (out / 16, in / 2, 16, 2) bf16
     k_block_one: int  # for 1-row calls
     k_block_many: int  # for calls of 2..SMALL_ROWS rows
+    widened_fma: bool  # calls of 2+ rows sum with float32 FMAs rather than vdpbf16ps (many_row_sums)
 
     def k_block(self, rows: int) -> int:
         return self.k_block_one if rows == 1 else self.k_block_many
@@ -85,6 +92,43 @@ def kernel_ops():
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def many_row_sums() -> str:
+    """How the kernel sums calls of 2..SMALL_ROWS rows in this process, one of SUMS: SELFSPEC_SMALL_GEMM_SUMS where
+    set, else whichever a short probe times faster here. The bits are the same either way; the speed is not, and
+    differs by CPU: on this project's Xeon vdpbf16ps retires 36 G multiply-adds a second and float32 FMAs 81 G, on
+    its AMD EPYC (Zen 5) 208 G against 105 G (scripts/check_fma_vs_dpbf16.c, bench_results/zen5)."""
+    chosen = os.environ.get("SELFSPEC_SMALL_GEMM_SUMS")
+    if chosen is not None:
+        if chosen not in SUMS:
+            raise ValueError(f"SELFSPEC_SMALL_GEMM_SUMS={chosen!r} is not one of {SUMS}; unset it to let selfspec "
+                             f"time both.")
+        return chosen
+    ops = kernel_ops()
+    return "dot" if ops is None else _faster_sums(ops)
+
+
+@torch.no_grad()
+def _faster_sums(ops) -> str:
+    """Times both sums over eight SmolLM2-sized weights (14 MB, past L2 as a model's weights are) at 5 and 9 rows,
+    rounds interleaved; about 20 ms."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [ops.packed_weight(torch.randn(shape, generator=generator).to(torch.bfloat16))
+               for shape in [(1536, 576), (576, 1536)] * 4]
+    rows = {(m, w.shape[1] * 2): torch.randn(m, w.shape[1] * 2, generator=generator).to(torch.bfloat16)
+            for m in (5, 9) for w in weights}
+    times = {sums: [] for sums in SUMS}
+    for _ in range(PROBE_SUMS_ROUNDS + 1):  # the first round warms up
+        for sums in SUMS:
+            start = time.perf_counter()
+            for (m, k), x in rows.items():
+                for w in weights:
+                    if w.shape[1] * 2 == k:
+                        ops.linear(x, w, min(k, 512), sums == "fma")
+            times[sums].append(time.perf_counter() - start)
+    return min(SUMS, key=lambda sums: statistics.median(times[sums][1:]))
+
+
 def k_block_candidates(k: int, rows: int) -> list[int]:
     """K blocks to try, the one oneDNN was seen to use first (bit for bit, 20 shapes, K 192..5632, on an
     AVX512-BF16 Xeon): all of K up to 512; past it 512 for a 1-row call, and for more rows 512 up to K = 1024 and
@@ -113,7 +157,7 @@ def fit(weight: torch.Tensor, reference) -> SmallWeight | None:
         _BLOCKS[shape] = _blocks_for(ops, packed, reference, shape[1])
     if _BLOCKS[shape] is None:
         return None
-    small = SmallWeight(packed, *_BLOCKS[shape])
+    small = SmallWeight(packed, *_BLOCKS[shape], widened_fma=many_row_sums() == "fma")
     x = torch.randn(1, 6, shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for part in (x[:, :1], x[:, 1:]):
         if not torch.equal(small_linear(part.contiguous(), small), reference(part.contiguous())):
@@ -135,7 +179,8 @@ def _blocks_for(ops, packed: torch.Tensor, reference, k: int) -> tuple[int, int]
     for sizes in ([1] * rows, _multi_row_calls(rows)):
         x = torch.randn(1, sum(sizes), k, generator=generator).to(torch.bfloat16)
         want = torch.cat([reference(part.contiguous()) for part in x.split(sizes, dim=1)], 1)
-        found = [b for b in k_block_candidates(k, sizes[0]) if torch.equal(ops.linear(x, packed, b), want)]
+        fma = many_row_sums() == "fma"
+        found = [b for b in k_block_candidates(k, sizes[0]) if torch.equal(ops.linear(x, packed, b, fma), want)]
         if not found:
             return None
         blocks.append(found[0])
@@ -156,4 +201,4 @@ def _multi_row_calls(rows: int) -> list[int]:
 def small_linear(x: torch.Tensor, small: SmallWeight) -> torch.Tensor:
     """(..., in) bf16 CPU rows -> (..., out) through the kernel."""
     rows = x.numel() // x.shape[-1]
-    return torch.ops.selfspec_small_gemm.linear(x, small.packed, small.k_block(rows))
+    return torch.ops.selfspec_small_gemm.linear(x, small.packed, small.k_block(rows), small.widened_fma)

@@ -11,7 +11,7 @@ from torch import nn
 
 import selfspec
 from selfspec.packing import Packed, PackedForward, dense_weights, is_packed, packing_available
-from selfspec.small_gemm import KERNEL_REVISION, fit, kernel_ops
+from selfspec.small_gemm import KERNEL_REVISION, fit, kernel_ops, many_row_sums
 from tests.conftest import TEST_DEVICE, make_model, prompt
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not packing_available(),
@@ -161,5 +161,5 @@ def test_measurements_tell_packed_from_dense():
         selfspec.unpack_weights(model)
         selfspec.pack_weights(model)
         small = {**model_identity(model, "tiny"), "heads": []}
-        assert small["small_gemm"] == KERNEL_REVISION == 2
-        assert _default_study_name(small) == _default_study_name(packed) + "-smallgemm2"
+        assert small["small_gemm"] == f"{KERNEL_REVISION}-{many_row_sums()}" and KERNEL_REVISION == 3
+        assert _default_study_name(small) == _default_study_name(packed) + f"-smallgemm3-{many_row_sums()}"

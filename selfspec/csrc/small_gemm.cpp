@@ -3,8 +3,10 @@
 // Why: oneDNN's packed bf16 matmul spends about as long on a 1-row call as on a 3-row one (its call's own
 // overhead is large); this kernel streams the weight once per call with every row's accumulators in registers
 // (scripts/measure_gemm.py: 51 us against 134 us for one row of 576 -> 1536 here). One row goes through
-// vdpbf16ps; from two rows on, the same sums run as float32 FMAs, twice vdpbf16ps's multiply-adds per second on
-// this project's Xeon, with the weight prefetched ahead so that it keeps arriving from DRAM while they run.
+// vdpbf16ps. From two rows on the same sums run either through vdpbf16ps or as float32 FMAs over the widened
+// weight, whichever the CPU runs faster (the caller chooses: small_gemm.many_row_sums): FMAs retire twice
+// vdpbf16ps's multiply-adds per second on this project's Xeon, half of them on its AMD EPYC. The weight is
+// prefetched ahead so that it keeps arriving from DRAM while the rows' sums run.
 //
 // Bits: each output is accumulated in float32 over K in the order oneDNN's kernel uses on the machines it was
 // checked on: K cut into blocks of `k_block` (the last may be shorter), each block summed from zero pair by pair
@@ -81,6 +83,8 @@ void rows_times_groups(const Problem& p, const Sums& sums, int64_t g0, int64_t g
 
 // One pair of K by vdpbf16ps: each row's bf16 pair broadcast against each block's 16 column pairs.
 struct DotBf16 {
+  DotBf16 from_row(int64_t) const { return *this; }  // reads the bf16 rows through p.x, already offset
+
   template <int R, int NB>
   void add_pair(const Problem& p, const uint16_t* const (&cols)[NB], int64_t kp, __m512 (&acc)[NB][R]) const {
     __m512bh col[NB];
@@ -102,6 +106,7 @@ struct DotBf16 {
 // with MXCSR's DAZ and FTZ (FlushDenormals). `xf` holds the rows widened to float32.
 struct WidenedFma {
   const float* xf;
+  WidenedFma from_row(int64_t offset) const { return {xf + offset}; }  // the widened rows from that element on
 
   template <int R, int NB>
   void add_pair(const Problem& p, const uint16_t* const (&cols)[NB], int64_t kp, __m512 (&acc)[NB][R]) const {
@@ -128,19 +133,51 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
-using Fma = void (*)(const Problem&, const WidenedFma&, int64_t, int64_t);
-
-template <int NB, int... R>
-constexpr auto fma_table(std::integer_sequence<int, R...>) {
-  return std::array<Fma, sizeof...(R)>{rows_times_groups<R + 1, NB, WidenedFma>...};
+template <class Sums, int NB, int... R>
+constexpr auto row_table(std::integer_sequence<int, R...>) {
+  using Kernel = void (*)(const Problem&, const Sums&, int64_t, int64_t);
+  return std::array<Kernel, sizeof...(R)>{rows_times_groups<R + 1, NB, Sums>...};
 }
 
 constexpr int kWideRows = 3;   // 2-3 rows: 4 column blocks a group (12 accumulators, 8 widened weights)
 constexpr int kNarrowRows = 12;  // otherwise 2 blocks a group and up to 12 rows (24 accumulators)
-const auto kWide = fma_table<4>(std::make_integer_sequence<int, kWideRows>{});
-const auto kNarrow = fma_table<2>(std::make_integer_sequence<int, kNarrowRows>{});
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block) {
+// Rows of p, all m of them, by `Sums`: every chunk of up to kNarrowRows rows over one column group while that
+// group's weights are in cache, groups split across threads.
+template <class Sums>
+void many_rows(const Problem& p, int64_t m, const Sums& sums) {
+  static const auto wide_table = row_table<Sums, 4>(std::make_integer_sequence<int, kWideRows>{});
+  static const auto narrow_table = row_table<Sums, 2>(std::make_integer_sequence<int, kNarrowRows>{});
+  const bool wide = m <= kWideRows && p.n % 64 == 0;
+  const int64_t groups = wide ? p.n / 64 : p.n / 32;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    FlushDenormals flush;  // a no-op for vdpbf16ps, which flushes on its own; the FMAs' denormal rule
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r0 = 0; r0 < m; r0 += kNarrowRows) {
+        Problem part = p;
+        part.x += r0 * p.k;
+        part.y += r0 * p.n;
+        const int64_t r = std::min<int64_t>(kNarrowRows, m - r0);
+        const auto kernel = wide ? wide_table[r - 1] : narrow_table[r - 1];
+        kernel(part, sums.from_row(r0 * p.k), g, g + 1);
+      }
+  });
+}
+
+// Rows as float32 for WidenedFma: bf16 -> float32 is a shift into the high half; done here, a torch conversion
+// costs 10 us a call in dispatch alone.
+std::vector<float> widened_rows(const uint16_t* x, int64_t count) {
+  std::vector<float> widened(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t bits = uint32_t(x[i]) << 16;
+    std::memcpy(&widened[i], &bits, 4);
+  }
+  return widened;
+}
+
+// `widened_fma` picks the sums of calls of 2 rows or more: which of the two is faster depends on the CPU
+// (small_gemm.py's many_row_sums measures it); both give the same bits.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block, bool widened_fma) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "small_gemm: bf16 only");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && packed.dim() == 4, "small_gemm: CPU tensors");
   const int64_t k = x.size(-1), n = packed.size(0) * 16;
@@ -152,26 +189,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block
             reinterpret_cast<uint16_t*>(y.data_ptr()), k, n, k_block};
   if (m == 1 && n % 64 == 0) {  // one row: the weight's bytes set the time, vdpbf16ps keeps up
     at::parallel_for(0, n / 64, 4, [&](int64_t g0, int64_t g1) { rows_times_groups<1, 4>(p, DotBf16{}, g0, g1); });
+  } else if (widened_fma) {
+    const std::vector<float> xf = widened_rows(p.x, m * k);
+    many_rows(p, m, WidenedFma{xf.data()});
   } else {
-    std::vector<float> widened(m * k);  // bf16 -> float32 is a shift into the high half; done here, a torch
-    for (int64_t i = 0; i < m * k; ++i) {  // conversion costs 10 us a call in dispatch alone
-      const uint32_t bits = uint32_t(p.x[i]) << 16;
-      std::memcpy(&widened[i], &bits, 4);
-    }
-    const float* xf = widened.data();
-    const bool wide = m <= kWideRows && n % 64 == 0;
-    const int64_t groups = wide ? n / 64 : n / 32;
-    at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-      FlushDenormals flush;
-      for (int64_t g = g0; g < g1; ++g)  // every chunk of rows over one group while its weights are in cache
-        for (int64_t r0 = 0; r0 < m; r0 += kNarrowRows) {
-          Problem part = p;
-          part.x += r0 * k;
-          part.y += r0 * n;
-          const int64_t r = std::min<int64_t>(kNarrowRows, m - r0);
-          (wide ? kWide[r - 1] : kNarrow[r - 1])(part, WidenedFma{xf + r0 * k}, g, g + 1);
-        }
-    });
+    many_rows(p, m, DotBf16{});
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
@@ -182,5 +204,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_block
 
 TORCH_LIBRARY(selfspec_small_gemm, m) {
   m.def("packed_weight(Tensor weight) -> Tensor", &packed_weight);
-  m.def("linear(Tensor x, Tensor packed, int k_block) -> Tensor", &linear);
+  m.def("linear(Tensor x, Tensor packed, int k_block, bool widened_fma) -> Tensor", &linear);
 }

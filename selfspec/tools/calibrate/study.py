@@ -399,7 +399,8 @@ def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
     packed = "-packed" if identity.get("packed") else ""
-    kernel = identity.get("small_gemm")  # True (== 1) in session 15's identities, later the kernel's revision
+    # True (== 1) in session 15's identities, then the kernel's revision, from 3 on with its sums ("3-dot")
+    kernel = identity.get("small_gemm")
     packed += ("-smallgemm" if kernel == 1 else f"-smallgemm{kernel}") if kernel else ""
     decoding = {**_IMPLIED, **identity}["decoding"]
     # one study per sampling setting: "-sampled-temperature0.7-top-p0.9"; greedy studies keep their old names
