@@ -95,9 +95,11 @@ class SelfSpecEngine:
     def tree_settings(self, drafter: Drafter, settings: DecodeSettings) -> dict:
         """The tree shape this call drafts with: the config's, or a chain (with a one-time warning) where a tree
         cannot run: a drafter that drafts chains only, or logits processors that read the prefix (a tree node's
-        prefix is its branch, which those processors cannot be shown)."""
+        prefix is its branch, which those processors cannot be shown). The drafter that drafts nothing (plain
+        decoding through the engine, as the calibrator's and bench's baselines run) has no shape to fall back
+        from, so it is not warned about."""
         top_k = self.config.draft_tree_top_k
-        if top_k == 1:
+        if top_k == 1 or type(drafter) is Drafter:
             return {}
         name = getattr(drafter, "name", None) or type(drafter).__name__
         if not getattr(drafter, "drafts_trees", False):

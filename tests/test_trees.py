@@ -192,6 +192,23 @@ def test_chains_with_a_warning_where_a_tree_cannot_run(case):
         [str(w.message) for w in caught]
 
 
+def test_no_tree_warning_for_the_drafter_that_drafts_nothing():
+    """drafter="none" is plain decoding through the engine (the calibrator's and bench's baselines run it over a
+    tree config): it has no tree to fall back from, so nothing is said about chains."""
+    model = make_model("llama", 4)
+    ids = prompt(seed=5, length=16)
+    ref = model.generate(ids, **GEN)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=3, draft_tree_top_k=2, draft_tree_size=6, drafter="none")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model.generate(ids, **GEN)
+    finally:
+        selfspec.unwrap(model)
+    assert torch.equal(out, ref)
+    assert not [w for w in caught if "instead of trees" in str(w.message)]
+
+
 def test_config_checks_and_round_trip(tmp_path):
     with pytest.raises(ValueError, match="draft_tree_top_k must be an integer >= 1"):
         selfspec.SelfSpecConfig(draft_tree_top_k=0).validate()
