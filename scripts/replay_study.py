@@ -4,7 +4,8 @@
         --study smollm2-135m-copy-e1e2-v2048-cpu-bfloat16 --threads 1
 
 Builds the predictor as `selfspec calibrate` does (plain answers to the calibration prompts, teacher-forced head
-agreement, micro-timings, loop overheads) with the current code, then predicts every measured trial of the study
+agreement, micro-timings, loop overheads; weights packed where the study's identity says its trials were) with the
+current code, then predicts every measured trial of the study
 and prints, per trial, predicted against measured tokens per step and tokens/s, and the Spearman rank correlation
 over all trials and over trees. The tokens per step compare the acceptance replay alone; tokens/s also the timings,
 which are measured again and vary from run to run.
@@ -45,6 +46,10 @@ def main(argv=None) -> None:
     from selfspec.tools.measure import spearman
 
     model, tok = resolve_model(args.model, dtype="auto")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=args.study, storage=args.storage)
+    if study.user_attrs.get("identity", {}).get("packed"):  # its trials ran packed: so must the timings
+        selfspec.pack_weights(model)
     selfspec.wrap(model, args.heads)
     spec = load_search_spec(default_space_path(args.model))
     spec.measure.max_prompts, spec.measure.max_new_tokens = args.max_prompts, args.max_new_tokens
@@ -52,8 +57,6 @@ def main(argv=None) -> None:
     space = resolve_space(spec, model.selfspec.adapter.num_layers, list(model.selfspec.heads), DRAFTER_FACTORIES)
     plain = time_generation(model, prompts, args.max_new_tokens, plain=True)
     predictor = build_predictor(model, model.selfspec.config, prompts, plain.outputs, space, spec.measure, print)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=args.study, storage=args.storage)
     rows = []
     for t in study.trials:
         prediction = predictor.predict(t.params) if t.user_attrs.get("measured") else None

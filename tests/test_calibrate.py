@@ -584,3 +584,24 @@ def test_tree_replay_keeps_only_what_the_size_holds():
     assert (widths, nodes) == ([1, 3], 5)
     two = cost_model.simulate_tree(third, eos, 2, 3, 5, 0.0, max_new_tokens=n)
     assert two.accepted <= two.steps + 1, two
+
+
+def test_loop_overheads_time_chains_whatever_tree_the_base_config_has():
+    """The short engine runs that fit the cost model's loop overheads price a drafted token of a chain: with a tree
+    in the base config (as a shipped config may have) a tree's nodes would share level passes and make a drafted
+    token look cheaper than it is."""
+    from selfspec.tools.calibrate.predictor import _engine_seconds, loop_probe_configs
+
+    space = resolve_space(load_search_spec("smollm2-135m"), 4, [2], DRAFTER_FACTORIES)
+    base = selfspec.SelfSpecConfig(exit_layer=2, max_draft_tokens=2, draft_tree_top_k=4, draft_tree_size=4)
+    configs = loop_probe_configs(base, space)
+    assert {name: c.drafter for name, c in configs.items()} == {
+        "none_step": "none", "draft_token": "early_exit", "lookup_step": "ngram"}
+    assert all(c.draft_tree_top_k == 1 for c in configs.values())
+    model = selfspec.wrap(make_model("llama", 4), base)
+    try:
+        _engine_seconds(model, configs["draft_token"], prompt(seed=10, length=8), 8, repeats=1)
+        stats = model.selfspec.last_stats
+    finally:
+        selfspec.unwrap(model)
+    assert 0 < stats.drafted_tokens <= 2 * (stats.verify_steps - 1)  # K=2 chains: at most 2 drafts a step

@@ -137,18 +137,29 @@ def _engine_seconds(model, config: SelfSpecConfig, prompt, new_tokens: int, repe
             "verify_step": best.verify_seconds / steps}
 
 
-def _loop_overheads(model, base: SelfSpecConfig, prompt, space: SearchSpace, new_tokens: int) -> dict:
-    """Per-step costs the micro-timings miss, from short engine runs: verify seconds per step without drafts,
-    draft seconds per early-exit token, prompt-lookup seconds per step."""
-    out = {"none_step": _engine_seconds(model, base.replace(drafter="none"), prompt, new_tokens)["verify_step"]}
+def loop_probe_configs(base: SelfSpecConfig, space: SearchSpace) -> dict[str, SelfSpecConfig]:
+    """The short engine runs _loop_overheads times, by what each measures: no drafts ("none_step"), early-exit
+    chains ("draft_token") and n-gram lookups ("lookup_step"), for the drafters the space holds. All are chains
+    whatever tree shape `base` carries: the cost model prices a drafted token of a chain and a lookup per step,
+    and a tree's nodes share level passes (a top-4 tree of 4 nodes at K=2 drafts 4 nodes in 2 passes, which
+    would halve the time a drafted token seems to take)."""
+    chain = base.replace(draft_tree_top_k=1)
+    out = {"none_step": chain.replace(drafter="none")}
     if "early_exit" in space.drafters:
-        early = base.replace(drafter="early_exit", exit_layer=space.exit_layers[0], max_draft_tokens=2,
-                             draft_confidence_threshold=0.0)
-        out["draft_token"] = _engine_seconds(model, early, prompt, new_tokens)["draft_token"]
+        out["draft_token"] = chain.replace(drafter="early_exit", exit_layer=space.exit_layers[0], max_draft_tokens=2,
+                                           draft_confidence_threshold=0.0)
     if "ngram" in space.drafters:
-        ngram = trial_config(base, {"drafter": "ngram", "max_draft_tokens": space.max_draft_tokens[-1],
-                                    "ngram_max": space.ngram_max[-1]})
-        out["lookup_step"] = _engine_seconds(model, ngram, prompt, new_tokens)["draft_step"]
+        out["lookup_step"] = trial_config(chain, {"drafter": "ngram", "max_draft_tokens": space.max_draft_tokens[-1],
+                                                  "ngram_max": space.ngram_max[-1]})
+    return out
+
+
+def _loop_overheads(model, base: SelfSpecConfig, prompt, space: SearchSpace, new_tokens: int) -> dict:
+    """Per-step costs the micro-timings miss, from short engine runs (loop_probe_configs): verify seconds per step
+    without drafts, draft seconds per early-exit token, prompt-lookup seconds per step."""
+    part = {"none_step": "verify_step", "draft_token": "draft_token", "lookup_step": "draft_step"}
+    out = {name: _engine_seconds(model, config, prompt, new_tokens)[part[name]]
+           for name, config in loop_probe_configs(base, space).items()}
     model.selfspec.config = base
     return out
 
