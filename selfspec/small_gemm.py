@@ -115,16 +115,14 @@ def _faster_sums(ops) -> str:
     generator = torch.Generator().manual_seed(0)
     weights = [ops.packed_weight(torch.randn(shape, generator=generator).to(torch.bfloat16))
                for shape in [(1536, 576), (576, 1536)] * 4]
-    rows = {(m, w.shape[1] * 2): torch.randn(m, w.shape[1] * 2, generator=generator).to(torch.bfloat16)
-            for m in (5, 9) for w in weights}
+    calls = [(torch.randn(m, w.shape[1] * 2, generator=generator).to(torch.bfloat16), w)
+             for m in (5, 9) for w in weights]  # (rows, weight)
     times = {sums: [] for sums in SUMS}
     for _ in range(PROBE_SUMS_ROUNDS + 1):  # the first round warms up
         for sums in SUMS:
             start = time.perf_counter()
-            for (m, k), x in rows.items():
-                for w in weights:
-                    if w.shape[1] * 2 == k:
-                        ops.linear(x, w, min(k, 512), sums == "fma")
+            for x, w in calls:
+                ops.linear(x, w, min(x.shape[1], 512), sums == "fma")
             times[sums].append(time.perf_counter() - start)
     return min(SUMS, key=lambda sums: statistics.median(times[sums][1:]))
 
@@ -175,11 +173,10 @@ def _blocks_for(ops, packed: torch.Tensor, reference, k: int) -> tuple[int, int]
     generator = torch.Generator().manual_seed(0)
     outputs_per_row = packed.shape[0] * 16
     rows = min(PROBE_ROWS, max(SMALL_ROWS, PROBE_OUTPUTS // outputs_per_row))
-    blocks = []
+    blocks, fma = [], many_row_sums() == "fma"
     for sizes in ([1] * rows, _multi_row_calls(rows)):
         x = torch.randn(1, sum(sizes), k, generator=generator).to(torch.bfloat16)
         want = torch.cat([reference(part.contiguous()) for part in x.split(sizes, dim=1)], 1)
-        fma = many_row_sums() == "fma"
         found = [b for b in k_block_candidates(k, sizes[0]) if torch.equal(ops.linear(x, packed, b, fma), want)]
         if not found:
             return None
