@@ -26,6 +26,7 @@ kernel (small_gemm.py), fitted per weight to give oneDNN's bits: a 1-token step 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 import weakref
 from dataclasses import dataclass
@@ -116,15 +117,25 @@ def _stamp(weight: torch.Tensor) -> tuple:
 
 
 def packing_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear (CPU builds with mkldnn)."""
+    """Whether bfloat16 weights can be packed here: see packing_unavailable_reason."""
+    return packing_unavailable_reason() is None
+
+
+@functools.lru_cache(maxsize=None)
+def packing_unavailable_reason() -> str | None:
+    """Why oneDNN's packed bfloat16 linear cannot run in this process, or None where it can. Two things can stop
+    it: a torch build without mkldnn, and a CPU that oneDNN refuses for packed bf16 weights (it wants AVX512BW,
+    VL and DQ, or AVX-NE-CONVERT; an AMD EPYC of the Zen 3 generation has AVX2 only). Only a call tells the
+    second, so a tiny weight is packed once per process."""
     if not torch.backends.mkldnn.is_available():
-        return False
+        return "this torch build lacks oneDNN (mkldnn); use a CPU build of torch with mkldnn"
     try:
-        torch.ops.mkldnn._reorder_linear_weight
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), None)
         torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    except (AttributeError, RuntimeError) as err:
+        found = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        return f"oneDNN cannot pack bfloat16 weights on this CPU or build ({found})"
+    return None
 
 
 def packable(module: nn.Module) -> bool:
@@ -202,9 +213,10 @@ def pack_weights(model: nn.Module, small_gemm: bool = True) -> int:
     """Prepack the model's bias-free bfloat16 Linear weights on CPU, in place; returns how many were packed.
     Heads that a wrapped model adds afterwards are packed with it. Refuses a model with nothing to pack.
     `small_gemm=False` keeps oneDNN's call for calls of every size (a side-by-side measure of the kernel)."""
-    if not packing_available():
-        raise ValueError("pack_weights needs torch's oneDNN (mkldnn) linear ops, which this torch build lacks; "
-                         "use a CPU build of torch with mkldnn, or run without packing.")
+    reason = packing_unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"pack_weights cannot run here: {reason}. Run without packing (pack_weights=False, "
+                         f"--no-pack-weights): the tokens are the same, the steps slower.")
     done, refused = pack_linears(model, small_gemm)
     if refused:
         import warnings
