@@ -32,7 +32,9 @@ def _spec(new_tokens: int = 12, repeats: int = 2, **space) -> SearchSpec:
         "space": {"drafter": ["early_exit"], "max_draft_tokens": {"min": 1, "max": 4},
                   "draft_confidence_threshold": {"min": 0.0, "max": 0.0}, **space},
         "measure": {"max_new_tokens": new_tokens, "warmup_new_tokens": 2, "timing_repeats": repeats},
-        "search": {"final_candidates": 2, "final_rounds": 1, "prune_below": 0.0},
+        # tiny random models seldom beat plain generate; these tests check the search, so the config keeps the
+        # winning drafter (the fallback to drafter "none" has its own test)
+        "search": {"final_candidates": 2, "final_rounds": 1, "prune_below": 0.0, "plain_if_slower": False},
     })
 
 
@@ -297,6 +299,34 @@ def test_written_config_loads_and_generates_like_plain(tmp_path):
     out = fresh.generate(ids, max_new_tokens=24, **GEN)
     assert torch.equal(out, ref)
     assert fresh.selfspec.last_stats.drafted_tokens > 0  # it really ran speculatively
+
+
+def test_a_calibration_nothing_pays_for_writes_a_config_that_drafts_nothing(tmp_path):
+    """A random model's exit at layer 3 of 4 drafting 4 tokens a step: each step runs 3 of 4 layers four times and
+    a 5-token verify pass for one or two tokens, far slower than plain generate. The config written then drafts
+    nothing and says so, the drafter's best stays in per_drafter, and the wrapped model decodes as plain generate
+    does; with plain_if_slower off (the negative control) the losing setting is what is written."""
+    spec = _spec(max_draft_tokens={"min": 4, "max": 4}, exit_layer=[3])
+    spec.search.plain_if_slower = True
+    lines = []
+    result = calibrate(make_model("llama", 4, agreeable=False), _prompts(2), spec, output=str(tmp_path / "on"),
+                       trials=1, log=lines.append)
+    assert result.speedup < 1 and result.best.drafter == "none"
+    assert any(line.startswith("no setting beat plain generate here") for line in lines)
+    calibration = result.best.metadata["calibration"]
+    assert calibration["drafting_pays"] is False
+    assert calibration["per_drafter"]["early_exit"]["max_draft_tokens"] == 4
+    assert "No setting beat plain `generate` here" in (tmp_path / "on" / "calibration_report.md").read_text()
+    fresh = make_model("llama", 4, agreeable=False)
+    ids = prompt(seed=99, length=9)
+    ref = fresh.generate(ids, max_new_tokens=12, **GEN)
+    selfspec.wrap(fresh, str(tmp_path / "on"))
+    assert torch.equal(fresh.generate(ids, max_new_tokens=12, **GEN), ref)
+    assert fresh.selfspec.last_stats.drafted_tokens == 0
+    spec.search.plain_if_slower = False
+    kept = calibrate(make_model("llama", 4, agreeable=False), _prompts(2), spec, output=str(tmp_path / "off"),
+                     trials=1, **QUIET)
+    assert kept.speedup < 1 and kept.best.drafter == "early_exit"
 
 
 def _sampled_spec(temperature: float = 0.8, top_p: float = 0.9) -> SearchSpec:

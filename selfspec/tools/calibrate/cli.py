@@ -91,5 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     result = calibrate(model, prompts, spec, storage=args.storage, output=output, study_name=args.study_name,
                        trials=args.trials, timeout=args.timeout, model_name=str(args.model))
     print(f"best {describe(result.report['confirmed'][0]['params'])}: {result.best_tokens_per_s:.2f} tok/s, plain "
-          f"{result.plain_tokens_per_s:.2f} tok/s, x{result.speedup:.2f}; config and report in {output}")
+          f"{result.plain_tokens_per_s:.2f} tok/s, x{result.speedup:.2f}; config and report in {output}"
+          + ("" if result.best.drafter != "none" else " (slower than plain: the config drafts nothing)"))
     return 0

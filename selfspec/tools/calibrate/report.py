@@ -83,6 +83,10 @@ def report_markdown(report: dict) -> str:
         f"Best setting: `{describe(report['confirmed'][0]['params'])}` - "
         f"**{report['best_tokens_per_s']:.2f} tok/s** against plain `generate` at "
         f"{report['plain_tokens_per_s']:.2f} tok/s (**x{report['speedup']:.2f}**), both re-timed in the same run.",
+        *([] if report["best"]["drafter"] != "none" or report["confirmed"][0]["params"].get("drafter") == "none"
+          else ["", "**No setting beat plain `generate` here**, so the config written drafts nothing (drafter "
+                    "`none`): wrapped, the model decodes as plain `generate` does. Each drafter's best is kept in "
+                    "`per_drafter` (what `selfspec bench` runs)."]),
         "",
         f"Study `{report['study']['name']}`: {report['counts']['trials']} trials, {report['counts']['measured']} "
         f"measured, {report['counts']['pruned_by_cost_model']} pruned by the cost model, "

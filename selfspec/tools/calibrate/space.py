@@ -78,6 +78,10 @@ class StrategySpec:
     min_measured: int = 3  # no pruning before this many measured trials
     final_candidates: int = 3  # best measured settings re-timed against plain generate at the end
     final_rounds: int = 2  # interleaved rounds of that re-timing
+    # where even the re-timed best is slower than plain generate (a CPU where a 3-token pass costs two steps), the
+    # config written drafts nothing (drafter "none": selfspec's loop decoding as plain generate does), so that
+    # wrapping never makes generation slower than the calibration measured; per_drafter keeps each drafter's best
+    plain_if_slower: bool = True
     # every other trial goes to the kind of drafting (chain, tree, each other drafter) with the fewest trials so
     # far, so that each kind's best (per_drafter: what bench runs per method) comes from more than a few trials;
     # TPE alone spends nearly all on the leading kind
