@@ -92,5 +92,5 @@ def main(argv: list[str] | None = None) -> int:
                        trials=args.trials, timeout=args.timeout, model_name=str(args.model))
     print(f"best {describe(result.report['confirmed'][0]['params'])}: {result.best_tokens_per_s:.2f} tok/s, plain "
           f"{result.plain_tokens_per_s:.2f} tok/s, x{result.speedup:.2f}; config and report in {output}"
-          + ("" if result.best.drafter != "none" else " (slower than plain: the config drafts nothing)"))
+          + (" (slower than plain: the config drafts nothing)" if result.report["drafts_nothing_instead"] else ""))
     return 0

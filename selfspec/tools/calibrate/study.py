@@ -440,14 +440,15 @@ def _finish(model, study, session, base, storage, output, identity, log) -> Cali
         raise RuntimeError(f"No trial of study {study.study_name!r} was measured; raise --trials or --timeout.")
     confirmed, plain_tps = confirm(session, candidates, session.spec.search.final_rounds, log)
     winner = confirmed[0]
-    drafts = drafting_pays(confirmed) or not session.spec.search.plain_if_slower
+    pays = drafting_pays(confirmed)
+    drafts = pays or not session.spec.search.plain_if_slower
     if not drafts:
         log(f"no setting beat plain generate here (fastest: {describe(winner['params'])}, "
             f"x{winner['speedup']:.2f}): the config drafts nothing (drafter 'none'); per_drafter keeps each "
             f"drafter's best")
     best = trial_config(base, winner["params"]).replace(**({} if drafts else {"drafter": "none"}), metadata={
         "calibration": {"tokens_per_s": winner["confirmed_tokens_per_s"], "plain_tokens_per_s": plain_tps,
-                        "speedup": winner["speedup"], "drafting_pays": drafting_pays(confirmed),
+                        "speedup": winner["speedup"], "drafting_pays": pays,
                         "study": study.study_name, "trial": winner["trial"],
                         "device": identity["device"], "dtype": identity["dtype"], "decoding": identity["decoding"],
                         "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
