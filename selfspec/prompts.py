@@ -71,11 +71,16 @@ def _read(source: Path) -> list[Prompt]:
 
 def chat_input_ids(tokenizer, text: str):
     """(1, T) ids of one user turn with the tokenizer's chat template (plain text if it has none)."""
+    return conversation_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def conversation_ids(tokenizer, messages: list[dict]):
+    """(1, T) ids of a conversation ending with a user turn ({"role", "content"} dicts), with the tokenizer's chat
+    template and a generation prompt (without a template: the turns' texts joined by blank lines)."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        return ids
-    return tokenizer(text, return_tensors="pt")["input_ids"]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+    return tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
 
 
 def left_pad(rows: list[list[int]], pad_id: int):

@@ -12,8 +12,9 @@ import selfspec
 from conftest import make_model, prompt
 from selfspec.drafters import DRAFTER_FACTORIES, ConfidenceRule
 from selfspec.tools import cost_model
-from selfspec.tools.calibrate import (SEARCH_SPACES, SearchSpec, calibrate, default_space_path,
-                                      load_calibration_texts, load_search_spec, pick_prompts, resolve_space)
+from selfspec.tools.calibrate import (SEARCH_SPACES, SearchSpec, calibrate, default_space_path, encode_turns,
+                                      load_calibration_prompts, load_calibration_texts, load_search_spec, pick_prompts,
+                                      resolve_space)
 
 optuna = pytest.importorskip("optuna")
 
@@ -451,6 +452,67 @@ def test_prompt_files(tmp_path):
     default = load_calibration_texts(None, 8)  # Spec-Bench train split: one per MT-bench category
     assert len(default) == 8 and len(set(default)) == 8
     assert pick_prompts([("a", "1"), ("a", "2"), ("b", "3")], 2) == ["1", "3"]
+
+
+def test_calibration_prompts_keep_their_turns(tmp_path):
+    jsonl = tmp_path / "q.jsonl"
+    rows = [{"category": c, "turns": [f"{c} 1", f"{c} again"]} for c in ("writing", "qa", "math")]
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    picked = load_calibration_prompts(str(jsonl), 5)
+    assert [p.turns for p in picked] == [("writing 1", "writing again"), ("math 1", "math again")]
+    assert all(len(p.turns) == 2 for p in load_calibration_prompts(None, 8))  # MT-bench: two turns each
+
+
+def _chat_model(tok):
+    """A tiny Llama over the tiny tokenizer's ids, whose greedy text varies (peaky logits)."""
+    import transformers as tf
+
+    torch.manual_seed(4)
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model.double().eval()
+
+
+def test_second_turns_carry_the_models_own_first_answer():
+    """measure.turns [1, 2]: the first turns as they are, then each two-turn question as [first turn, the plain
+    model's greedy answer to it, second turn] in the chat template, as Spec-Bench runs MT-bench; a one-turn prompt
+    gives its first turn only."""
+    from selfspec.prompts import Prompt, chat_input_ids, conversation_ids
+    from selfspec.tools.calibrate.space import MeasureSpec
+    from tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = _chat_model(tok)
+    selfspec.wrap(model, exit_layer=2)  # the answer is plain generate's, wrapped or not
+    prompts = [Prompt("Name a fruit.", "writing", 1, ("Name a fruit.", "Now a colour.")), Prompt("Just one turn.")]
+    got = encode_turns(model, tok, prompts, MeasureSpec(turns=[1, 2], answer_tokens=12), "cpu")
+    assert len(got) == 3
+    assert torch.equal(got[0], chat_input_ids(tok, "Name a fruit.")) and torch.equal(got[1], chat_input_ids(
+        tok, "Just one turn."))
+    first = chat_input_ids(tok, "Name a fruit.")
+    plain = selfspec.unwrap(model).generate(first, attention_mask=torch.ones_like(first), max_new_tokens=12,
+                                            do_sample=False, pad_token_id=tok.pad_token_id)
+    answer = tok.decode(plain[0, first.shape[1]:], skip_special_tokens=True)
+    assert answer.strip()  # a real answer, so a second turn without it would differ
+    want = conversation_ids(tok, [{"role": "user", "content": "Name a fruit."},
+                                  {"role": "assistant", "content": answer},
+                                  {"role": "user", "content": "Now a colour."}])
+    assert torch.equal(got[2], want)
+    assert len(encode_turns(model, tok, prompts, MeasureSpec(turns=[2], answer_tokens=12), "cpu")) == 1
+    with pytest.raises(ValueError, match="no calibration prompt has one"):
+        encode_turns(model, tok, prompts[1:], MeasureSpec(turns=[2]), "cpu")
+
+
+@pytest.mark.parametrize("turns", [[], [3], [1, 1], "1"])
+def test_measure_turns_are_checked(turns):
+    from selfspec.tools.calibrate.space import MeasureSpec
+
+    with pytest.raises(ValueError, match="measure.turns must list 1, 2 or both"):
+        MeasureSpec(turns=turns)
 
 
 @pytest.mark.parametrize("k,top_k,size", [(3, 2, 8), (4, 3, 9), (5, 4, 6), (2, 4, 16)])

@@ -12,7 +12,7 @@ import torch
 from ...wrap import wrap
 from .space import SearchSpec, default_space_path, describe, load_search_spec
 from .study import calibrate
-from .trials import encode_prompts, load_calibration_texts
+from .trials import encode_turns, load_calibration_prompts
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -20,7 +20,7 @@ def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="selfspec calibrate", description=description)
     p.add_argument("--model", default="smollm2-135m", help="known name, local HF directory or hub id")
     p.add_argument("--heads", help="directory with trained exit heads (and a selfspec config) to calibrate")
-    p.add_argument("--prompts", help="Spec-Bench JSONL (first turn, chat template) or text file, one prompt a line;"
+    p.add_argument("--prompts", help="Spec-Bench JSONL (turns, chat template) or text file, one prompt a line;"
                                      " default: Spec-Bench's MT-bench categories (the train split)")
     p.add_argument("--trials", type=int, help="measured trials in this run (default 20 without --timeout)")
     p.add_argument("--timeout", type=float, help="search budget in seconds (setup and final re-timing extra)")
@@ -31,6 +31,9 @@ def parse_args(argv) -> argparse.Namespace:
                                    "space for MODEL, else 'default'; see selfspec/tools/calibrate/search_spaces/)")
     p.add_argument("--max-prompts", type=int, help="override measure.max_prompts")
     p.add_argument("--max-new-tokens", type=int, help="override measure.max_new_tokens")
+    p.add_argument("--turns", type=int, nargs="+", choices=[1, 2],
+                   help="override measure.turns: 1 times first user turns, 2 second turns after the model's own "
+                        "answer to the first (as Spec-Bench runs MT-bench), 1 2 both")
     p.add_argument("--sample", action="store_true", default=None,
                    help="time sampled generation instead of greedy (measure.sample): sampling accepts fewer drafts, "
                         "so its fastest setting differs")
@@ -55,6 +58,8 @@ def _load_spec(args) -> SearchSpec:
         spec.measure.max_prompts = args.max_prompts
     if args.max_new_tokens is not None:
         spec.measure.max_new_tokens = args.max_new_tokens
+    if args.turns is not None:
+        spec.measure = dataclasses.replace(spec.measure, turns=list(args.turns))  # checked again
     if spec.measure.max_prompts < 1 or spec.measure.max_new_tokens < 2:
         raise ValueError("measure.max_prompts must be >= 1 and measure.max_new_tokens >= 2.")
     sampling = {"sample": args.sample, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
@@ -85,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     spec = _load_spec(args)
     model, tokenizer = _load_model(args)
-    texts = load_calibration_texts(args.prompts, spec.measure.max_prompts)
-    prompts = encode_prompts(tokenizer, texts, next(model.parameters()).device)
+    questions = load_calibration_prompts(args.prompts, spec.measure.max_prompts)
+    prompts = encode_turns(model, tokenizer, questions, spec.measure, next(model.parameters()).device)
     output = args.output or args.heads or os.path.join("calibration", Path(str(args.model)).name)
     result = calibrate(model, prompts, spec, storage=args.storage, output=output, study_name=args.study_name,
                        trials=args.trials, timeout=args.timeout, model_name=str(args.model))

@@ -93,7 +93,7 @@ def report_markdown(report: dict) -> str:
         f"Study `{report['study']['name']}`: {report['counts']['trials']} trials, {report['counts']['measured']} "
         f"measured, {report['counts']['pruned_by_cost_model']} pruned by the cost model, "
         f"{report['counts']['duplicates']} duplicates. {_exactness_sentence(report)}",
-        f"Measured on {report['measure']['max_new_tokens']} new tokens x prompts per trial; torch "
+        f"Measured on {report['measure']['max_new_tokens']} new tokens x prompts per trial ({_turns(report)}); torch "
         f"{env.get('torch', '?')}, transformers {env.get('transformers', '?')}, {env.get('torch_threads', '?')} "
         f"threads, {_where(env)}.",
         "", "## Top 5 measured trials", "",
@@ -111,6 +111,13 @@ def report_markdown(report: dict) -> str:
     lines.append(f"| plain `generate` | {report['plain_tokens_per_s']:.2f} | x1.00 |")
     lines += _cost_model_markdown(report)
     return "\n".join(lines) + "\n"
+
+
+def _turns(report: dict) -> str:
+    """Which turns of each question the trials timed (a report written before measure.turns timed first turns)."""
+    turns = report["measure"].get("turns", [1])
+    return {(1,): "first user turns", (2,): "second turns, after the model's own answer to the first"}.get(
+        tuple(turns), "first and second user turns, each second after the model's own answer to the first")
 
 
 def _exactness_sentence(report: dict) -> str:

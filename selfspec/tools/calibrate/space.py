@@ -55,11 +55,21 @@ class MeasureSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    # which turns of each prompt are timed: 1, the first user turn; 2, the second, asked after the model's own
+    # greedy answer to the first (answer_tokens long), as Spec-Bench runs MT-bench. [1, 2] times both, so each
+    # question counts twice
+    turns: list = field(default_factory=lambda: [1])
+    answer_tokens: int = 128
 
     def __post_init__(self):
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"measure.temperature must be > 0 and measure.top_p in (0, 1], got temperature "
                              f"{self.temperature} and top_p {self.top_p}.")
+        if not isinstance(self.turns, list) or not self.turns or not set(self.turns) <= {1, 2} \
+                or len(set(self.turns)) < len(self.turns):
+            raise ValueError(f"measure.turns must list 1, 2 or both (e.g. [1, 2]), got {self.turns!r}.")
+        if self.answer_tokens < 1:
+            raise ValueError(f"measure.answer_tokens must be >= 1, got {self.answer_tokens}.")
 
     @property
     def decoding(self) -> str:

@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import SelfSpecConfig
-from ...prompts import EVAL_CATEGORIES, chat_input_ids, load_prompts
+from ...prompts import EVAL_CATEGORIES, Prompt, chat_input_ids, conversation_ids, load_prompts
 from ..measure import eos_ids_of, sampling_kwargs, timed
 from ..verdict import DIFFERS, IDENTICAL, NEAR_TIE, PlainLogits, judge
 from .space import MeasureSpec
 
 
 # --- calibration prompts -------------------------------------------------------------------------------------
-def load_calibration_texts(path: str | None, count: int) -> list[str]:
-    """First user turns to calibrate on: Spec-Bench's train split (its MT-bench categories) by default, or the
-    user's JSONL (Spec-Bench format) / text file. Evaluation categories are dropped from any file: never
-    calibrate on what the benchmarks report."""
+def load_calibration_prompts(path: str | None, count: int) -> list[Prompt]:
+    """Questions to calibrate on, with all their turns: Spec-Bench's train split (its MT-bench categories) by
+    default, or the user's JSONL (Spec-Bench format) / text file. Evaluation categories are dropped from any file:
+    never calibrate on what the benchmarks report."""
     if path is None:
         prompts = load_prompts(split="train")
     else:
@@ -30,14 +30,20 @@ def load_calibration_texts(path: str | None, count: int) -> list[str]:
         if not kept:
             raise ValueError(f"{path} holds no calibration prompts outside the evaluation categories.")
         prompts = kept
-    return pick_prompts([(p.category, p.text) for p in prompts], count)
+    return pick_prompts([(p.category, p) for p in prompts], count)
 
 
-def pick_prompts(prompts: list[tuple[str, str]], count: int) -> list[str]:
-    """Round-robin over categories in file order, so a few prompts still cover every category."""
-    by_category: dict[str, list[str]] = {}
-    for category, text in prompts:
-        by_category.setdefault(category, []).append(text)
+def load_calibration_texts(path: str | None, count: int) -> list[str]:
+    """The first user turns of load_calibration_prompts."""
+    return [p.text for p in load_calibration_prompts(path, count)]
+
+
+def pick_prompts(prompts: list[tuple[str, object]], count: int) -> list:
+    """Round-robin over categories in file order, so a few prompts still cover every category: (category, item)
+    pairs -> the items picked."""
+    by_category: dict[str, list] = {}
+    for category, item in prompts:
+        by_category.setdefault(category, []).append(item)
     picked, depth = [], 0
     while len(picked) < count and any(depth < len(v) for v in by_category.values()):
         picked += [v[depth] for v in by_category.values() if depth < len(v)]
@@ -48,6 +54,32 @@ def pick_prompts(prompts: list[tuple[str, str]], count: int) -> list[str]:
 def encode_prompts(tokenizer, texts: list[str], device) -> list[torch.Tensor]:
     """(1, T) ids per prompt: the chat template with a generation prompt when the tokenizer has one."""
     return [chat_input_ids(tokenizer, text).to(device) for text in texts]
+
+
+def encode_turns(model, tokenizer, prompts: list[Prompt], measure: MeasureSpec, device) -> list[torch.Tensor]:
+    """(1, T) ids of every turn in measure.turns of every prompt, turn by turn: turn 1 is the first user turn;
+    turn 2 the conversation after the model's own greedy answer to it (plain `generate`, measure.answer_tokens
+    long) and then the second user turn, as Spec-Bench runs MT-bench. A second turn quotes and reworks the first
+    answer, which is where drafting by lookup pays, so a calibration on first turns alone cannot tell apart
+    settings that differ there. Prompts without a second turn (a text file) give turn 1 only."""
+    firsts = encode_prompts(tokenizer, [p.text for p in prompts], device)
+    out = list(firsts) if 1 in measure.turns else []
+    if 2 in measure.turns:
+        two = [(p, ids) for p, ids in zip(prompts, firsts) if len(p.turns) > 1]
+        if not two:
+            raise ValueError("measure.turns asks for second turns, but no calibration prompt has one (a JSONL "
+                             "prompt's `turns` list needs two entries); set measure.turns: [1].")
+        out += [second_turn_ids(model, tokenizer, p, ids, measure.answer_tokens).to(device) for p, ids in two]
+    return out
+
+
+def second_turn_ids(model, tokenizer, prompt: Prompt, first: torch.Tensor, answer_tokens: int) -> torch.Tensor:
+    """(1, T) ids of [first user turn, the model's own greedy answer to it, second user turn]."""
+    answer = generate_once(model, first, answer_tokens, plain=True)
+    messages = [{"role": "user", "content": prompt.turns[0]},
+                {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                {"role": "user", "content": prompt.turns[1]}]
+    return conversation_ids(tokenizer, messages)
 
 
 # --- timed generation ----------------------------------------------------------------------------------------
