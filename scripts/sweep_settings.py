@@ -5,11 +5,17 @@
         '{"drafter": "early_exit", "max_draft_tokens": 5, "draft_confidence_threshold": 0.05,
           "draft_tree_top_k": 4, "draft_tree_size": 14}'
 
+    OMP_NUM_THREADS=1 python scripts/sweep_settings.py --threads 1 --mt-bench-turns 1 2 --new-tokens 64 SETTINGS
+
 Each argument is a JSON object of SelfSpecConfig fields laid over the heads' config (the shipped one by default).
 Greedy; acceptance and drafted tokens a step (a tree's nodes) are what `generate` reports, so they do not depend
 on load. The settings take turns prompt by prompt (each prompt runs under every setting before the next prompt),
 so that load drifting on a shared machine hits them alike and their tokens/s compare side by side; still a quick
 look at a trade-off, not a benchmark (`selfspec bench` also times plain `generate` and judges every output).
+
+With --mt-bench-turns the prompts are the calibration's instead (one MT-bench question per category, each turn
+asked as `selfspec calibrate` asks it: measure.turns), plain `generate` takes its turn beside the settings, and
+each turn gets its own lines with speeds relative to plain.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped ones)")
     p.add_argument("--limit", type=int, default=2, help="eval-split prompts per category")
     p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--mt-bench-turns", type=int, nargs="+", choices=[1, 2], default=None,
+                   help="time the calibration's MT-bench turns (1, 2 or both) instead of the eval split")
+    p.add_argument("--answer-tokens", type=int, default=128, help="with --mt-bench-turns: the first answer's length")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=None)
     return p.parse_args(argv)
@@ -59,6 +68,36 @@ def run_prompt(model, batch, new_tokens: int, tally: Tally) -> None:
     tally.add(model.selfspec.last_stats, time.perf_counter() - start)
 
 
+def run_plain(model, batch, new_tokens: int, tally: Tally) -> None:
+    """One greedy plain `generate` (Hugging Face's own), added to `tally` as steps of one token each."""
+    start = time.perf_counter()
+    out = type(model).generate(model, batch.input_ids, attention_mask=batch.attention_mask,
+                               max_new_tokens=new_tokens, do_sample=False)
+    n = out.shape[1] - batch.input_ids.shape[1]
+    tally.add(PlainStats(n, n, 0), time.perf_counter() - start)
+
+
+@dataclasses.dataclass
+class PlainStats:
+    new_tokens: int
+    verify_steps: int
+    drafted_tokens: int
+
+
+def mt_bench_batches(model, tok, turns: list[int], answer_tokens: int) -> dict[int, list]:
+    """{turn: batches} of the calibration's MT-bench questions (one per category), asked as calibrate asks them."""
+    from selfspec.tools.bench import Batch
+    from selfspec.tools.calibrate.space import MeasureSpec
+    from selfspec.tools.calibrate.trials import encode_turns, load_calibration_prompts
+
+    questions = load_calibration_prompts(None, 8)
+    out = {}
+    for turn in turns:
+        ids = encode_turns(model, tok, questions, MeasureSpec(turns=[turn], answer_tokens=answer_tokens), "cpu")
+        out[turn] = [Batch("mt_bench", [q.question_id], x, torch.ones_like(x)) for q, x in zip(questions, ids)]
+    return out
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -71,18 +110,28 @@ def main(argv=None) -> None:
     model, tok = selfspec.load(args.model, dtype=getattr(torch, args.dtype), **extra)
     engine = model.selfspec
     base = engine.config
-    batches = make_batches(tok, load_prompts(split="eval", limit_per_category=args.limit), 1)
+    if args.mt_bench_turns:
+        sets = {f"MT-bench turn {t}": b for t, b in mt_bench_batches(model, tok, args.mt_bench_turns,
+                                                                     args.answer_tokens).items()}
+    else:
+        sets = {"eval split": make_batches(tok, load_prompts(split="eval", limit_per_category=args.limit), 1)}
     packed = ", packed weights" if selfspec.packing.is_packed(model) else ""  # selfspec.load packs bf16 on CPU
-    print(f"{len(batches)} prompts x {args.new_tokens} tokens, {args.dtype}{packed}, {torch.get_num_threads()} "
-          f"thread(s)")
+    print(f"{sum(map(len, sets.values()))} prompts x {args.new_tokens} tokens, {args.dtype}{packed}, "
+          f"{torch.get_num_threads()} thread(s)")
     configs = [dataclasses.replace(base, **s).validate(engine.adapter.num_layers) for s in args.settings]
-    tallies = [Tally() for _ in configs]
-    for batch in batches:
-        for config, tally in zip(configs, tallies):
-            engine.config = config
-            run_prompt(model, batch, args.new_tokens, tally)
-    for setting, tally in zip(args.settings, tallies):
-        print(f"{tally.line()}  {json.dumps(setting)}")
+    for name, batches in sets.items():
+        plain, tallies = Tally(), [Tally() for _ in configs]
+        for batch in batches:
+            if args.mt_bench_turns:
+                run_plain(model, batch, args.new_tokens, plain)
+            for config, tally in zip(configs, tallies):
+                engine.config = config
+                run_prompt(model, batch, args.new_tokens, tally)
+        if args.mt_bench_turns:
+            print(f"{name}: plain generate {plain.tokens / plain.seconds:.2f} tok/s")
+        for setting, tally in zip(args.settings, tallies):
+            ratio = f"  {tally.tokens / tally.seconds / (plain.tokens / plain.seconds):.2f}x" if plain.seconds else ""
+            print(f"{tally.line()}{ratio}  {json.dumps(setting)}")
 
 
 if __name__ == "__main__":
