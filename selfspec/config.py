@@ -40,6 +40,10 @@ class SelfSpecConfig:
     # not confident enough to draft (instead of drafting nothing); in a tree, that match's branches join the
     # head's tree.
     hybrid_fallback: bool = False
+    # ...and with hybrid_rematch (chains) a row whose text, with the head's drafts so far, comes to end in a match of
+    # hybrid_min_match or more tokens (the head drafted the start of a copy) drafts the rest of that match's
+    # continuation by lookup, at no cost, instead of one head pass per token.
+    hybrid_rematch: bool = False
     # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
     metadata: dict = field(default_factory=dict)
 
@@ -69,8 +73,9 @@ class SelfSpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
         if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 1:
             raise ValueError(f"hybrid_min_match must be an integer >= 1, got {self.hybrid_min_match!r}.")
-        if not isinstance(self.hybrid_fallback, bool):
-            raise ValueError(f"hybrid_fallback must be true or false, got {self.hybrid_fallback!r}.")
+        for name in ("hybrid_fallback", "hybrid_rematch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         # drafters that never run the early layers on their own (ngram, model, oracle, none) only use exit_layer
         # as the split of the verify pass, which any layer serves: the engine clamps it for them
         uses_exit = self.drafter in ("early_exit", "hybrid")

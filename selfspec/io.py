@@ -75,7 +75,7 @@ def save_engine(engine, directory: str) -> str:
 
 # Attributes of the built-in drafters that a config field sets under another name.
 _CONFIG_FIELD_OF = {"threshold": "draft_confidence_threshold", "min_match": "hybrid_min_match",
-                    "extend": "hybrid_extend", "fallback": "hybrid_fallback"}
+                    "extend": "hybrid_extend", "fallback": "hybrid_fallback", "rematch": "hybrid_rematch"}
 
 
 def check_drafter_saveable(engine) -> None:

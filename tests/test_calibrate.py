@@ -237,11 +237,14 @@ def test_hybrid_trees_join_the_study(tmp_path):
     "hybrid-tree", which the bench's selfspec-hybrid-tree reads."""
     model = make_model("llama", 4, agreeable=False)
     spec = _spec(drafter=["hybrid"], exit_layer=[2], max_draft_tokens=[3], draft_tree_top_k=[1, 2],
-                 draft_tree_size=[4], hybrid_min_match=[1], hybrid_extend=[False], hybrid_fallback=[False])
+                 draft_tree_size=[4], hybrid_min_match=[1], hybrid_extend=[False], hybrid_fallback=[False],
+                 hybrid_rematch=[True])
     result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=4, **QUIET)
     assert result.report["all_outputs_match_plain"], result.report["trials"]
     per = json.load(open(tmp_path / "selfspec_config.json"))["metadata"]["calibration"]["per_drafter"]
     assert per["hybrid-tree"]["draft_tree_top_k"] == 2 and per["hybrid"]["draft_tree_top_k"] == 1, per
+    # rematch is a chain's knob: searched for the hybrid's chains only
+    assert per["hybrid"]["hybrid_rematch"] is True and "hybrid_rematch" not in per["hybrid-tree"], per
     for params in per.values():
         selfspec.SelfSpecConfig(**params).validate(num_layers=4)
 
@@ -405,6 +408,7 @@ def test_a_study_refuses_another_decoding(tmp_path):
     ({"draft_tree_size": {"min": 1, "max": 4}}, r"draft_tree_size must be >= 2"),
     ({"hybrid_extend": ["yes"]}, r"space.hybrid_extend must be true, false or a list of them"),
     ({"hybrid_fallback": []}, r"space.hybrid_fallback must be true, false or a list of them"),
+    ({"hybrid_rematch": [1]}, r"space.hybrid_rematch must be true, false or a list of them"),
     ({"draft_confidence_cumulative": "no"}, r"space.draft_confidence_cumulative must be true, false or a list"),
 ])
 def test_bad_space_fails_before_any_trial(tmp_path, space, message):

@@ -312,6 +312,31 @@ def test_hybrid_fallback_drafts_short_matches_the_head_declines(top_k):
     assert drafted[False] == (0, 0) and drafted[True][1] > 0, drafted
 
 
+def test_hybrid_rematch_drafts_a_copy_the_head_starts_by_lookup():
+    """With hybrid_rematch, a chain row whose head drafts bring its text to end in a strong match drafts the rest of
+    that match's continuation by lookup: fewer head passes for more accepted tokens a step on repeating text, and the
+    padded batch's output stays identical."""
+    model = make_model("llama", LAYERS)
+    ids, mask = _repetitive_batch(seed=2)
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    seen = {}
+    for rematch in (False, True):
+        selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=6, ngram_max=4, hybrid_min_match=4,
+                      hybrid_extend=False, hybrid_rematch=rematch)
+        try:
+            engine = model.selfspec
+            used = engine.drafter_override = build_drafter(engine)
+            passes, run = [], used.early.run
+            used.early.run = lambda *a, **k: (passes.append(1), run(*a, **k))[1]
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GEN), ref), rematch
+            stats = engine.last_stats
+            seen[rematch] = (len(passes), stats.new_tokens / stats.verify_steps, used.steps["rematched"])
+        finally:
+            selfspec.unwrap(model)
+    assert seen[False][2] == 0 and seen[True][2] > 0, seen
+    assert seen[True][0] < seen[False][0] and seen[True][1] > seen[False][1], seen
+
+
 @pytest.mark.parametrize("drafter", ["early_exit", "hybrid"])
 def test_cumulative_confidence_drafts_less_and_stays_identical(drafter):
     """draft_confidence_cumulative judges a chain's next draft by the product of the top probabilities so far,
@@ -387,6 +412,9 @@ SAMPLING_CASES = {
     # every match is short (min_match above ngram_max): rows draft with the head when it is sure, else their match
     "hybrid-fallback": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=2, ngram_max=2, hybrid_min_match=3,
                             draft_confidence_threshold=0.5, hybrid_fallback=True),
+    # the head's drafts bring a strong match: its continuation drafted by lookup (point masses) after the head's q
+    "hybrid-rematch": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=3, ngram_max=2, hybrid_min_match=2,
+                           hybrid_extend=False, hybrid_rematch=True),
     "model": dict(exit_layer=1, max_draft_tokens=2),  # drafter: a separate random model
     # a draft tree: two levels, up to three children per node, checked by multi-candidate rejection
     "tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3, draft_tree_size=6),

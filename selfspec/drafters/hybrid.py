@@ -5,7 +5,9 @@ continuation (a point-mass draft); every other row drafts with the early-exit he
 n-gram continuation is shorter than k keeps drafting with the head after it. With `fallback`, a row whose match is
 too short to be trusted first asks the head and, when the head is not confident at its first draft, drafts that
 shorter match's continuation instead of nothing (prompts that quote their context match often but briefly, and
-there a short match is right more often than an unsure head).
+there a short match is right more often than an unsure head). With `rematch` (chains), a row whose text with the
+head's drafts so far comes to end in a strong match (the head drafted the first tokens of a copy) takes the rest of
+that match's continuation by lookup, as a point-mass draft, and stops asking the head.
 
 Why the early-exit pass runs over the n-gram tokens too
 -------------------------------------------------------
@@ -51,11 +53,11 @@ class HybridDrafter(Drafter):
     drafts_trees = True  # with trees: the head's tree and the n-gram branches together (see _tree)
 
     def __init__(self, early: EarlyExitDrafter, ngram: NgramDrafter, min_match: int = 2, extend: bool = True,
-                 fallback: bool = False):
+                 fallback: bool = False, rematch: bool = False):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}.")
         self.early, self.ngram = early, ngram
-        self.min_match, self.extend, self.fallback = min_match, extend, fallback
+        self.min_match, self.extend, self.fallback, self.rematch = min_match, extend, fallback, rematch
         self.steps: Counter = Counter()  # steps per path: "ngram", "early_exit", "mixed" (some rows of each)
         self.needs_prompt_hidden = early.needs_prompt_hidden
 
@@ -118,11 +120,28 @@ class HybridDrafter(Drafter):
             draft_len += take.long()
             if col == 0:  # rows without a forced prefix: an unsure head hands the row to its weak match
                 draft_len = torch.where(proposing & ~take, weak_len, draft_len)
-            extending = extending & ~(proposing & ~take) & ~(take & state.is_eos(token)) & (draft_len < k)
+            ran = self._rematched(state, tokens, draft_len, take & ~state.is_eos(token), col)
+            extending = extending & ~(proposing & ~take) & ~(take & state.is_eos(token)) & ~ran & (draft_len < k)
         width = int(draft_len.max())
         q = _mixed_q(tokens[:, :width], head_q, state.vocab_size) if state.do_sample else None
         return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1),
                      hidden_layer=self.early.exit_layer)
+
+    def _rematched(self, state, tokens, draft_len, took, col: int) -> torch.Tensor:
+        """With `rematch`: the rows among `took` (B,) (they just drafted the head's token at column `col`) whose text
+        with their drafts through `col` now ends in a strong match take its continuation in the columns after, in
+        place in `tokens` (B, k) and `draft_len` (B,), as the lookup's point-mass drafts. Returns those rows (B,)."""
+        k = tokens.shape[1]
+        if not self.rematch or col + 1 >= k or not bool(took.any()):
+            return torch.zeros_like(took)
+        found = self.ngram.lookup(state, k - col - 1, drafted=col + 1)
+        ran = took & (found.match >= self.min_match) & (found.length > 0)
+        if bool(ran.any()):
+            tokens[:, col + 1:] = torch.where(ran[:, None], found.tokens, tokens[:, col + 1:])
+            state.write_drafts(tokens[:, col + 1:], start=col + 1)
+            draft_len += torch.where(ran, found.length, 0)
+            self.steps["rematched"] += 1
+        return ran
 
     def _tree(self, state, k: int) -> Draft:
         """One tree per row: the head's tree, grown in the nodes that the n-gram branches of rows with a strong
@@ -206,4 +225,4 @@ def from_engine(engine) -> HybridDrafter:
     cfg = engine.config
     early = EarlyExitDrafter(engine.head_for(cfg.exit_layer), ConfidenceRule.of(cfg))
     return HybridDrafter(early, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.hybrid_min_match, cfg.hybrid_extend,
-                         cfg.hybrid_fallback)
+                         cfg.hybrid_fallback, cfg.hybrid_rematch)

@@ -143,18 +143,20 @@ class NgramDrafter(Drafter):
         mask = state.mask
         self.prompt_pad = None if mask is None else (mask == 0)
 
-    def text_of(self, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L) tokens of every row up to the longest, padding replaced by _PAD; (B,) index of last tokens."""
-        length = max(state.lengths)  # host copy: no device sync
+    def text_of(self, state, drafted: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L) tokens of every row up to the longest, padding replaced by _PAD; (B,) index of last tokens. With
+        `drafted`, each row's text goes on through its first `drafted` drafts (written by state.write_drafts)."""
+        length = max(state.lengths) + drafted  # host copy: no device sync
         text = state.seq[:, :length]
         if self.prompt_pad is not None and bool(self.prompt_pad.any()):
             pad = torch.nn.functional.pad(self.prompt_pad, (0, length - self.prompt_pad.shape[1]), value=False)
             text = text.masked_fill(pad[:, :length], _PAD)
-        return text, state.seq_len - 1
+        return text, state.seq_len - 1 + drafted
 
-    def lookup(self, state, k: int) -> NgramProposal:
-        """The n-gram continuation for every row (length 0 for finished rows and rows without a match)."""
-        text, last = self.text_of(state)
+    def lookup(self, state, k: int, drafted: int = 0) -> NgramProposal:
+        """The n-gram continuation for every row (length 0 for finished rows and rows without a match); with
+        `drafted`, of each row's text followed by its first `drafted` drafts, as if they were verified."""
+        text, last = self.text_of(state, drafted)
         match, end = suffix_match(text, last, self.ngram_max, self.ngram_min)
         match = match.masked_fill(state.finished, 0)
         tokens, length = continuation(text, last, match, end, k)

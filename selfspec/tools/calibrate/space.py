@@ -36,6 +36,7 @@ class SpaceSpec:
     hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
     hybrid_extend: object = field(default_factory=lambda: [True, False])
     hybrid_fallback: object = field(default_factory=lambda: [True, False])
+    hybrid_rematch: object = field(default_factory=lambda: [False])  # hybrid chains only
     # early_exit and hybrid: children per tree node (1 = chains; [1] alone searches no trees) and nodes per tree
     draft_tree_top_k: object = field(default_factory=lambda: [1])
     draft_tree_size: object = field(default_factory=lambda: {"min": 4, "max": 16, "step": 2})
@@ -164,6 +165,7 @@ class SearchSpace:
     hybrid_min_match: list[int] = field(default_factory=lambda: [2])
     hybrid_extend: list[bool] = field(default_factory=lambda: [True])
     hybrid_fallback: list[bool] = field(default_factory=lambda: [False])
+    hybrid_rematch: list[bool] = field(default_factory=lambda: [False])
     cumulative: list[bool] = field(default_factory=lambda: [False])  # draft_confidence_cumulative of chains
     tree_top_k: list[int] = field(default_factory=lambda: [1])
     tree_sizes: list[int] = field(default_factory=lambda: [8])
@@ -239,6 +241,7 @@ def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], reg
         hybrid_min_match=_int_range(s.hybrid_min_match, "hybrid_min_match", src),
         hybrid_extend=extend,
         hybrid_fallback=fallback,
+        hybrid_rematch=_bools(s.hybrid_rematch, "hybrid_rematch", src),
         cumulative=_bools(s.draft_confidence_cumulative, "draft_confidence_cumulative", src),
         tree_top_k=_int_range(s.draft_tree_top_k, "draft_tree_top_k", src),
         tree_sizes=_int_range(s.draft_tree_size, "draft_tree_size", src, minimum=2))
@@ -303,6 +306,8 @@ def suggest(trial, space: SearchSpace) -> dict:
         params["hybrid_min_match"] = _suggest_from(trial, "hybrid_min_match", space.hybrid_min_match)
         params["hybrid_extend"] = trial.suggest_categorical("hybrid_extend", space.hybrid_extend)
         params["hybrid_fallback"] = trial.suggest_categorical("hybrid_fallback", space.hybrid_fallback)
+        if params.get("draft_tree_top_k", 1) == 1:  # trees graft their lookups instead
+            params["hybrid_rematch"] = trial.suggest_categorical("hybrid_rematch", space.hybrid_rematch)
     return params
 
 
@@ -364,7 +369,8 @@ def in_space(params: dict, space: SearchSpace) -> bool:
         return False
     allowed = {"max_draft_tokens": space.max_draft_tokens, "ngram_max": space.ngram_max,
                "hybrid_min_match": space.hybrid_min_match, "hybrid_extend": space.hybrid_extend,
-               "hybrid_fallback": space.hybrid_fallback, "draft_confidence_cumulative": space.cumulative,
+               "hybrid_fallback": space.hybrid_fallback, "hybrid_rematch": space.hybrid_rematch,
+               "draft_confidence_cumulative": space.cumulative,
                "draft_tree_top_k": space.tree_top_k,
                "draft_tree_size": space.tree_sizes}
     if params["drafter"] in EXIT_DRAFTERS:
@@ -386,7 +392,7 @@ def describe(params: dict) -> str:
                        ("draft_confidence_cumulative", "path"),
                        ("draft_tree_top_k", "top_k"), ("draft_tree_size", "size"), ("ngram_max", "n"),
                        ("hybrid_min_match", "match"), ("hybrid_extend", "extend"),
-                       ("hybrid_fallback", "fallback")):
+                       ("hybrid_fallback", "fallback"), ("hybrid_rematch", "rematch")):
         if key in params:
             value = params[key]
             parts.append(f"{short}={value:.2f}" if isinstance(value, float) else f"{short}={value}")
