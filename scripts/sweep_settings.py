@@ -69,19 +69,13 @@ def run_prompt(model, batch, new_tokens: int, tally: Tally) -> None:
 
 
 def run_plain(model, batch, new_tokens: int, tally: Tally) -> None:
-    """One greedy plain `generate` (Hugging Face's own), added to `tally` as steps of one token each."""
+    """One greedy plain `generate` (Hugging Face's own, as calibrate times it), added to `tally`'s tokens and
+    seconds."""
+    from selfspec.tools.calibrate.trials import generate_once
+
     start = time.perf_counter()
-    out = type(model).generate(model, batch.input_ids, attention_mask=batch.attention_mask,
-                               max_new_tokens=new_tokens, do_sample=False)
-    n = out.shape[1] - batch.input_ids.shape[1]
-    tally.add(PlainStats(n, n, 0), time.perf_counter() - start)
-
-
-@dataclasses.dataclass
-class PlainStats:
-    new_tokens: int
-    verify_steps: int
-    drafted_tokens: int
+    tally.tokens += generate_once(model, batch.input_ids, new_tokens, plain=True).numel()
+    tally.seconds += time.perf_counter() - start
 
 
 def mt_bench_batches(model, tok, turns: list[int], answer_tokens: int) -> dict[int, list]:

@@ -120,8 +120,9 @@ class HybridDrafter(Drafter):
             draft_len += take.long()
             if col == 0:  # rows without a forced prefix: an unsure head hands the row to its weak match
                 draft_len = torch.where(proposing & ~take, weak_len, draft_len)
-            ran = self._rematched(state, tokens, draft_len, take & ~state.is_eos(token), col)
-            extending = extending & ~(proposing & ~take) & ~(take & state.is_eos(token)) & ~ran & (draft_len < k)
+            ends = take & state.is_eos(token)  # nothing is drafted after an EOS
+            ran = self._rematched(state, tokens, draft_len, take & ~ends, col)
+            extending = extending & ~(proposing & ~take) & ~ends & ~ran & (draft_len < k)
         width = int(draft_len.max())
         q = _mixed_q(tokens[:, :width], head_q, state.vocab_size) if state.do_sample else None
         return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1),

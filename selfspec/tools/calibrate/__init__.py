@@ -34,8 +34,9 @@ __all__ = [
     "CalibrationResult", "EXIT_DRAFTERS", "MODELLED_DRAFTERS", "Measurement", "MeasureSpec", "NGRAM_DRAFTERS",
     "Predictor", "REPORT_NAME", "SEARCH_SPACES", "SEARCHABLE_DRAFTERS", "SearchSpace", "SearchSpec", "Session",
     "SpaceSpec", "StrategySpec", "best_per_drafter", "build_predictor", "build_report", "calibrate", "confirm",
-    "default_space_path", "default_storage", "describe", "encode_prompts", "encode_turns", "enqueue_predicted", "generate_once",
-    "load_calibration_prompts", "load_calibration_texts", "load_search_spec", "main", "open_study", "parse_args", "pick_prompts",
+    "default_space_path", "default_storage", "describe", "encode_prompts", "encode_turns", "enqueue_predicted",
+    "generate_once", "load_calibration_prompts", "load_calibration_texts", "load_search_spec", "main", "open_study",
+    "parse_args", "pick_prompts",
     "report_markdown", "resolve_space", "save_result", "shipped_spaces", "study_identity", "suggest",
     "time_generation", "time_setting", "top_settings", "trial_config", "trial_rows",
 ]
