@@ -75,7 +75,7 @@ class HybridDrafter(Drafter):
         if state.settings.tree_top_k > 1:
             return self._tree(state, k)
         found = self.ngram.lookup(state, k)
-        strong = (found.match >= self.min_match) & (found.length > 0)
+        strong = self._strong(found)
         forced_len = found.length.masked_fill(~strong, 0)  # (B,) n-gram tokens each row takes
         last = found.tokens.gather(1, (forced_len - 1).clamp(min=0)[:, None])[:, 0]
         ends_in_eos = (forced_len > 0) & state.is_eos(last)
@@ -128,6 +128,11 @@ class HybridDrafter(Drafter):
         return Draft(tokens=tokens[:, :width], draft_len=draft_len, q=q, hidden=torch.cat(hiddens, dim=1),
                      hidden_layer=self.early.exit_layer)
 
+    def _strong(self, found) -> torch.Tensor:
+        """(B,) rows whose lookup found a match of min_match or more tokens with a continuation to draft: the one
+        rule by which a chain row takes the lookup's tokens, at the step's start and (rematch) after a head draft."""
+        return (found.match >= self.min_match) & (found.length > 0)
+
     def _rematched(self, state, tokens, draft_len, took, col: int) -> torch.Tensor:
         """With `rematch`: the rows among `took` (B,) (they just drafted the head's token at column `col`) whose text
         with their drafts through `col` now ends in a strong match take its continuation in the columns after, in
@@ -136,7 +141,7 @@ class HybridDrafter(Drafter):
         if not self.rematch or col + 1 >= k or not bool(took.any()):
             return torch.zeros_like(took)
         found = self.ngram.lookup(state, k - col - 1, drafted=col + 1)
-        ran = took & (found.match >= self.min_match) & (found.length > 0)
+        ran = took & self._strong(found)
         if bool(ran.any()):
             tokens[:, col + 1:] = torch.where(ran[:, None], found.tokens, tokens[:, col + 1:])
             state.write_drafts(tokens[:, col + 1:], start=col + 1)
