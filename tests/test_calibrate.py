@@ -418,6 +418,20 @@ def test_bad_space_fails_before_any_trial(tmp_path, space, message):
     assert not (tmp_path / "out" / "study.db").exists()  # no study was opened, nothing was measured
 
 
+@pytest.mark.parametrize("seed,message", [
+    ({"drafter": "early_exit", "exit_layer": 2, "max_draft_tokens": 7}, r"search.enqueue\[0\] \(early_exit E=2 K=7\) "
+                                                                         r"lies outside the space"),
+    ({"exit_layer": 2}, r"search.enqueue\[0\] must be a setting with a 'drafter'"),
+])
+def test_a_seed_outside_the_space_fails_before_any_trial(tmp_path, seed, message):
+    model = make_model("llama", 6)
+    spec = _spec()
+    spec.search.enqueue = [seed]
+    with pytest.raises(ValueError, match=message):
+        calibrate(model, _prompts(1), spec, output=str(tmp_path / "out"), trials=1, **QUIET)
+    assert not (tmp_path / "out" / "study.db").exists()
+
+
 def test_unknown_space_names_the_shipped_ones():
     with pytest.raises(FileNotFoundError, match=r"smollm2-135m"):
         load_search_spec("no-such-space")
@@ -646,6 +660,47 @@ def test_a_recalibration_measures_the_previous_bests_again(tmp_path):
     assert len(again) == 1 and again[0]["measured"], again
     assert {k: again[0]["params"][k] for k in ("exit_layer", "max_draft_tokens")} == {"exit_layer": 2,
                                                                                       "max_draft_tokens": 3}
+
+
+def test_the_space_files_seeds_are_measured_first(tmp_path):
+    """search.enqueue: a hand-set setting is queued ahead of the sampler's and measured as given."""
+    model = make_model("llama", 4, agreeable=False)
+    selfspec.wrap(model, exit_layer=2)
+    seed = {"drafter": "hybrid", "exit_layer": 1, "max_draft_tokens": 3, "draft_confidence_threshold": 0.0,
+            "ngram_max": 2, "hybrid_min_match": 1, "hybrid_extend": True, "hybrid_fallback": True,
+            "hybrid_rematch": False, "draft_confidence_cumulative": False}
+    spec = _spec(exit_layer=[1, 2], drafter=["early_exit", "hybrid"])
+    spec.search.enqueue, spec.search.enqueue_top = [seed], 1
+    lines = []
+    result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=2, log=lines.append)
+    assert any(line.startswith("enqueued 1 setting(s) of the space file: hybrid E=1 K=3") for line in lines), lines
+    (seeded,) = [t for t in result.report["trials"] if t.get("enqueued_by") == "space_file"]
+    assert seeded["measured"] and seeded["params"] == seed, (seeded, lines)
+
+
+def test_the_final_comparison_retimes_each_kinds_best():
+    """final_per_kind: besides the overall best, each kind's best measured settings are re-timed, so that every
+    per_drafter entry comes from the side-by-side timing; without it only the overall best are."""
+    from selfspec.tools.calibrate.space import StrategySpec
+    from selfspec.tools.calibrate.study import best_per_drafter, final_candidates
+
+    study = optuna.create_study(direction="maximize")
+    ngram = {"drafter": "ngram", "max_draft_tokens": 3, "ngram_max": 2}
+    settings = [(ngram, 40.0), ({**ngram, "max_draft_tokens": 4}, 39.0), ({**ngram, "ngram_max": 3}, 38.0),
+                ({"drafter": "early_exit", "exit_layer": 1, "max_draft_tokens": 4}, 30.0),
+                ({"drafter": "early_exit", "exit_layer": 1, "max_draft_tokens": 5}, 29.5),
+                ({"drafter": "hybrid", "exit_layer": 1, "max_draft_tokens": 4}, 35.0)]
+    for params, value in settings:
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions={k: optuna.distributions.CategoricalDistribution([v]) for k, v in
+                                          params.items()}, value=value, user_attrs={"measured": True}))
+    values = lambda trials: sorted(t.value for t in trials)
+    assert values(final_candidates(study, StrategySpec(final_candidates=2))) == [39.0, 40.0]
+    picked = final_candidates(study, StrategySpec(final_candidates=2, final_per_kind=2))
+    assert values(picked) == [29.5, 30.0, 35.0, 39.0, 40.0]  # ngram's third is neither
+    # the re-timing reorders the chain's two: its per_drafter entry follows it, not the single trials
+    confirmed = [{"params": p.params} for p in sorted(picked, key=lambda t: t.params.get("max_draft_tokens"))]
+    assert best_per_drafter(study, confirmed[::-1])["early_exit"]["max_draft_tokens"] == 5
 
 
 def test_previous_bests_from_before_the_path_rule_are_measured_with_the_rule_they_ran():

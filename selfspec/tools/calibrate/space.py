@@ -97,6 +97,13 @@ class StrategySpec:
     # far, so that each kind's best (per_drafter: what bench runs per method) comes from more than a few trials;
     # TPE alone spends nearly all on the leading kind
     balance_kinds: bool = True
+    # the best this many measured settings of each kind join the final re-timing too (0: only final_candidates),
+    # so that per_drafter (what bench runs per method) is chosen side by side: within a kind the top settings lie
+    # closer together than one trial's timing noise
+    final_per_kind: int = 0
+    # settings measured first, each written as a per_drafter entry is (a hand-set candidate, or one that won
+    # elsewhere, weighed against the search's own); each must lie in the space
+    enqueue: list = field(default_factory=list)
 
 
 @dataclass

@@ -210,6 +210,28 @@ def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log) -> No
         log(f"enqueued {len(fresh)} previous best(s): " + "; ".join(describe(p) for p in fresh))
 
 
+def check_seeds(seeds: list, space: SearchSpace) -> None:
+    """search.enqueue, checked before anything runs. A setting outside the space is refused: the sampler could
+    never propose it or its neighbours, so its timing would be a point the search cannot move from."""
+    for i, params in enumerate(seeds):
+        if not isinstance(params, dict) or "drafter" not in params:
+            raise ValueError(f"search.enqueue[{i}] must be a setting with a 'drafter' (as per_drafter writes one), "
+                             f"got {params!r}.")
+        if not in_space(params, space):
+            raise ValueError(f"search.enqueue[{i}] ({describe(params)}) lies outside the space; widen the space "
+                             f"or change the setting.")
+
+
+def enqueue_seeds(study, seeds: list, log) -> None:
+    """The space file's own candidates (search.enqueue, checked), measured first unless the study has them."""
+    seen = [t.params for t in study.get_trials(deepcopy=False)]
+    fresh = [p for p in seeds if p not in seen]
+    for params in fresh:
+        study.enqueue_trial(params, user_attrs={"enqueued_by": "space_file"})
+    if fresh:
+        log(f"enqueued {len(fresh)} setting(s) of the space file: " + "; ".join(describe(p) for p in fresh))
+
+
 class BalanceKinds:
     """After every second trial, with nothing queued, queue one of the kind of drafting with the fewest trials
     (measured or pruned) so far, its other params left to the sampler. The trials between stay TPE's."""
@@ -265,6 +287,24 @@ def top_settings(study, count: int) -> list:
             seen.append(t.params)
             picked.append(t)
     return picked[:count]
+
+
+def top_per_kind(study, count: int) -> list:
+    """The `count` fastest distinct measured settings of each kind of drafting (tree_key), kind by kind."""
+    picked: dict[str, list] = {}
+    for t in top_settings(study, len(study.trials)):
+        group = picked.setdefault(tree_key(t.params), [])
+        if len(group) < count:
+            group.append(t)
+    return [t for group in picked.values() for t in group]
+
+
+def final_candidates(study, strategy) -> list:
+    """What the final comparison re-times: the overall best final_candidates, then each kind's best
+    final_per_kind that are not among them."""
+    overall = top_settings(study, strategy.final_candidates)
+    return overall + [t for t in top_per_kind(study, strategy.final_per_kind)
+                      if all(t.params != o.params for o in overall)]
 
 
 def best_per_drafter(study, confirmed: list[dict] = ()) -> dict[str, dict]:
@@ -367,6 +407,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     base = engine.config
     space = resolve_space(spec, engine.adapter.num_layers, list(engine.heads), DRAFTER_FACTORIES)
     _check_budget(trials, timeout, prompts)
+    check_seeds(spec.search.enqueue, space)
     if storage is None:
         if output is None:
             raise ValueError("calibrate needs a storage URL or an output directory for the study.")
@@ -383,6 +424,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     study = open_study(storage, study_name, identity, spec.search.seed, spec.search.startup_trials)
     session = _prepare_session(model, base, prompts, space, spec, log)
     _set_study_attrs(study, session, spec, space)
+    enqueue_seeds(study, spec.search.enqueue, log)  # first: the user's own candidates
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
     enqueue_previous(study, base, space, log)
     budget = _Budget(session, trials)
@@ -435,7 +477,7 @@ def _set_study_attrs(study, session: Session, spec: SearchSpec, space: SearchSpa
 
 
 def _finish(model, study, session, base, storage, output, identity, log) -> CalibrationResult:
-    candidates = top_settings(study, session.spec.search.final_candidates)
+    candidates = final_candidates(study, session.spec.search)
     if not candidates:
         raise RuntimeError(f"No trial of study {study.study_name!r} was measured; raise --trials or --timeout.")
     confirmed, plain_tps = confirm(session, candidates, session.spec.search.final_rounds, log)
