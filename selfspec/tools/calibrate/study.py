@@ -183,12 +183,20 @@ def enqueue_predicted(study, predictor: Predictor | None, space: SearchSpace, to
             params["hybrid_extend"] = space.hybrid_extend[0]
             params["hybrid_fallback"] = space.hybrid_fallback[0]
         queued.append(params)
+    enqueue_fresh(study, queued, "cost_model", "trials", log)
+
+
+def enqueue_fresh(study, settings: list, source: str, what: str, log) -> None:
+    """Queue the settings the study has not seen (each once), tagged enqueued_by=`source`, and log them as `what`."""
     seen = [t.params for t in study.get_trials(deepcopy=False)]
-    fresh = [p for p in queued if p not in seen]
+    fresh = []
+    for params in settings:
+        if params not in seen and params not in fresh:
+            fresh.append(params)
     for params in fresh:
-        study.enqueue_trial(params, user_attrs={"enqueued_by": "cost_model"})
+        study.enqueue_trial(params, user_attrs={"enqueued_by": source})
     if fresh:
-        log(f"enqueued {len(fresh)} trials: " + "; ".join(describe(p) for p in fresh))
+        log(f"enqueued {len(fresh)} {what}: " + "; ".join(describe(p) for p in fresh))
 
 
 def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log) -> None:
@@ -197,17 +205,13 @@ def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log) -> No
     prompts the top settings often lie within the timer's noise of each other). Entries outside the space are
     skipped."""
     previous = base.metadata.get("calibration", {}).get("per_drafter", {})
-    seen = [t.params for t in study.get_trials(deepcopy=False)]
-    fresh = []
+    kept = []
     for params in previous.values():
         if params.get("drafter") in EXIT_DRAFTERS and params.get("draft_tree_top_k", 1) == 1:
             params = {"draft_confidence_cumulative": False, **params}  # what a config from before the knob ran
-        if in_space(params, space) and params not in seen and params not in fresh:
-            fresh.append(params)
-    for params in fresh:
-        study.enqueue_trial(params, user_attrs={"enqueued_by": "previous_calibration"})
-    if fresh:
-        log(f"enqueued {len(fresh)} previous best(s): " + "; ".join(describe(p) for p in fresh))
+        if in_space(params, space):
+            kept.append(params)
+    enqueue_fresh(study, kept, "previous_calibration", "previous best(s)", log)
 
 
 def check_seeds(seeds: list, space: SearchSpace) -> None:
@@ -222,14 +226,6 @@ def check_seeds(seeds: list, space: SearchSpace) -> None:
                              f"or change the setting.")
 
 
-def enqueue_seeds(study, seeds: list, log) -> None:
-    """The space file's own candidates (search.enqueue, checked), measured first unless the study has them."""
-    seen = [t.params for t in study.get_trials(deepcopy=False)]
-    fresh = [p for p in seeds if p not in seen]
-    for params in fresh:
-        study.enqueue_trial(params, user_attrs={"enqueued_by": "space_file"})
-    if fresh:
-        log(f"enqueued {len(fresh)} setting(s) of the space file: " + "; ".join(describe(p) for p in fresh))
 
 
 class BalanceKinds:
@@ -424,7 +420,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     study = open_study(storage, study_name, identity, spec.search.seed, spec.search.startup_trials)
     session = _prepare_session(model, base, prompts, space, spec, log)
     _set_study_attrs(study, session, spec, space)
-    enqueue_seeds(study, spec.search.enqueue, log)  # first: the user's own candidates
+    enqueue_fresh(study, spec.search.enqueue, "space_file", "setting(s) of the space file", log)  # first: yours
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
     enqueue_previous(study, base, space, log)
     budget = _Budget(session, trials)
