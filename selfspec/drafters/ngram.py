@@ -8,8 +8,9 @@ match wins, and the drafted tokens are the up to k tokens that followed its most
 point mass (Draft.q = None) and brings no hidden states (Draft.hidden = None): the verifier runs every layer over
 the drafted positions.
 
-The lookup is vectorised over the batch: one (B, S) comparison per suffix offset d < ngram_max, so a step costs
-O(B * S * ngram_max) elementwise work and no per-row Python.
+The lookup is vectorised over the batch and the suffix offsets: one (B, ngram_max, S) comparison against shifted
+views of the text, so a step costs O(B * S * ngram_max) elementwise work in a fixed handful of ops and no per-row
+Python (the chain's copy head looks up once per drafted token).
 """
 from __future__ import annotations
 
@@ -46,24 +47,19 @@ def suffix_matches(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: in
     ends (B, count)), most recent first, -1 where a row has fewer."""
     b, length = text.shape
     idx = torch.arange(length, device=text.device)[None, :]  # (1, L)
-    before_last = idx < last[:, None]  # an occurrence must end before the suffix's own last token
-    run = torch.ones_like(text, dtype=torch.bool)  # run[b, e]: text[b, e-d] == suffix token d for all d so far
-    match = torch.zeros_like(last)
-    best = torch.zeros_like(run)  # occurrences of the longest suffix matched so far
-    for d in range(n_max):
-        suffix_tok = text.gather(1, (last - d).clamp(min=0)[:, None])  # (B, 1)
-        suffix_ok = (last - d >= 0)[:, None] & (suffix_tok != _PAD)
-        # text moved d to the right (a text shorter than d is all fill: no occurrence reaches back that far)
-        shifted = text if d == 0 else torch.nn.functional.pad(text[:, : max(length - d, 0)], (min(d, length), 0),
-                                                              value=_SHIFT_FILL)
-        run &= (shifted == suffix_tok) & suffix_ok
-        n = d + 1
-        if n < n_min:
-            continue
-        found = run & before_last
-        hit = found.any(dim=1)
-        match = torch.where(hit, n, match)  # longer n overwrite shorter ones: the loop runs n upwards
-        best = torch.where(hit[:, None], found, best)
+    d = torch.arange(n_max, device=text.device)[None, :]  # (1, n): suffix offsets
+    suffix_tok = text.gather(1, (last[:, None] - d).clamp(min=0))  # (B, n): the row's last n tokens, newest first
+    suffix_ok = (last[:, None] - d >= 0) & (suffix_tok != _PAD)
+    # shifted[:, d, e] = text[:, e - d]: views of one left-padded copy (past the left edge: fill, matching nothing)
+    padded = torch.nn.functional.pad(text, (n_max - 1, 0), value=_SHIFT_FILL)
+    shifted = padded.unfold(1, length, 1).flip(1)  # (B, n, L)
+    same = (shifted == suffix_tok[..., None]) & suffix_ok[..., None]  # (B, n, L)
+    # run[:, d, e]: the d + 1 tokens ending at e equal the row's last d + 1 (a cumulative AND over offsets), with
+    # the occurrence ending before the suffix's own last token
+    run = same.to(torch.uint8).cumprod(dim=1).bool() & (idx < last[:, None])[:, None, :]
+    hit = run.any(dim=2) & (d + 1 >= n_min)  # (B, n)
+    match = torch.where(hit, d + 1, 0).amax(dim=1)  # the longest suffix with an occurrence; 0: none
+    best = run.gather(1, (match - 1).clamp(min=0)[:, None, None].expand(-1, 1, length))[:, 0] & (match > 0)[:, None]
     ends = torch.where(best, idx, -1).topk(min(count, length), dim=1).values  # most recent (largest) first
     if ends.shape[1] < count:
         ends = torch.nn.functional.pad(ends, (0, count - ends.shape[1]), value=-1)
