@@ -45,7 +45,7 @@ def suffix_match(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: int)
 def suffix_matches(text: torch.Tensor, last: torch.Tensor, n_max: int, n_min: int, count: int):
     """Like suffix_match, with the `count` most recent occurrences of the longest matched suffix: (match (B,),
     ends (B, count)), most recent first, -1 where a row has fewer."""
-    b, length = text.shape
+    length = text.shape[1]
     idx = torch.arange(length, device=text.device)[None, :]  # (1, L)
     d = torch.arange(n_max, device=text.device)[None, :]  # (1, n): suffix offsets
     suffix_tok = text.gather(1, (last[:, None] - d).clamp(min=0))  # (B, n): the row's last n tokens, newest first

@@ -226,8 +226,6 @@ def check_seeds(seeds: list, space: SearchSpace) -> None:
                              f"or change the setting.")
 
 
-
-
 class BalanceKinds:
     """After every second trial, with nothing queued, queue one of the kind of drafting with the fewest trials
     (measured or pruned) so far, its other params left to the sampler. The trials between stay TPE's."""
