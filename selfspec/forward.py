@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .arch.base import ArchAdapter
+from .attention import folded_gqa
 from .cache import SlotTable, SpecCache
 from .masks import build_mask, needs_mask
 
@@ -74,7 +75,7 @@ def run_layers(ctx: StepContext, hidden, positions, start: int, stop: int, slot_
     """Run decoder layers [start, stop) on (B, T, H) states at (B, T) positions, appending to the cache.
 
     New tokens enter the slot table when they enter layer 0; `slot_positions` (B, T) overrides what is
-    recorded there (-1 for padding)."""
+    recorded there (-1 for padding). On a CPU in bf16, grouped-query attention is folded (attention.py)."""
     if start >= stop:
         return hidden
     adapter = ctx.adapter
@@ -85,7 +86,7 @@ def run_layers(ctx: StepContext, hidden, positions, start: int, stop: int, slot_
     slot_pos = ctx.slots.view(q_start + t)
     rotary = adapter.rotary(hidden, positions)
     masks = {}
-    with masked_gqa_in_sdpa(adapter, hidden.device):
+    with masked_gqa_in_sdpa(adapter, hidden.device), folded_gqa(adapter, hidden):
         for i in range(start, stop):
             window = adapter.window(i)
             if window not in masks:
@@ -138,5 +139,5 @@ def run_module(ctx: StepContext, layer, i: int, cache: SpecCache, hidden, positi
     if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl, tree):
         mask = build_mask(ctx.slots.view(q_start + t), positions, q_start, window, hidden.dtype, adapter.attn_impl,
                           tree)
-    with masked_gqa_in_sdpa(adapter, hidden.device):
+    with masked_gqa_in_sdpa(adapter, hidden.device), folded_gqa(adapter, hidden):
         return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)

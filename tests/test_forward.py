@@ -8,6 +8,7 @@ import torch
 
 import selfspec
 from conftest import TEST_DEVICE, make_model, prompt
+from selfspec.attention import SWITCH
 
 FORCE = "TRANSFORMERS_SDPA_FORCE_GQA"
 
@@ -20,6 +21,7 @@ def _greedy_with_scores(model, ids):
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="in place only on CPU (CUDA's masked grouped sdpa is slower)")
 def test_masked_passes_attend_grouped_heads_in_place_with_the_same_bits(monkeypatch):
+    monkeypatch.setenv(SWITCH, "0")  # folded calls (test_attention.py) would not reach transformers' sdpa
     model = make_model("llama", dtype=torch.bfloat16)  # 4 query heads over 2 KV heads
     seen = []
     model.model.layers[1].self_attn.register_forward_hook(lambda *_: seen.append(os.environ.get(FORCE)))

@@ -707,7 +707,8 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
         f"- {_sampling_words(settings) if settings['sample'] else 'greedy'}, "
         f"max_new_tokens={settings['max_new_tokens']}, batch size {settings['batch_size']}, "
         f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}"
-        f"{', weights packed (selfspec.pack_weights)' if meta['model'].get('packed') else ''}",
+        f"{', weights packed (selfspec.pack_weights)' if meta['model'].get('packed') else ''}"
+        f"{', grouped-query attention folded in the engine (selfspec/attention.py)' if meta['model'].get('folded_gqa') else ''}",
         f"- selfspec: exit layer {setup['selfspec_config']['exit_layer']} of {setup['num_layers']}, "
         f"max_draft_tokens={setup['selfspec_config']['max_draft_tokens']}, heads: {setup['heads_source']}",
     ]
@@ -903,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         from ..models import dtype_name, resolve_model
+        from ..arch import adapter_for
+        from ..attention import folds
         from ..packing import apply_choice, is_packed, small_kernel_revision
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
@@ -923,6 +926,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": loadavg_start, "loadavg_end": loadavg()}, "versions": versions(),
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
                       "packed": is_packed(model), "small_gemm": small_kernel_revision(model),
+                      "folded_gqa": folds(adapter_for(model), device, model.dtype),
                       "parameters": sum(p.numel() for p in model.parameters())},
             "settings": asdict(cfg)}
     paths = write_outputs(result, meta, cfg.output or default_output(cfg))

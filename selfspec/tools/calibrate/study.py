@@ -33,8 +33,8 @@ def study_identity(model, name: str | None) -> dict:
 
 
 # what a study stored before its identity recorded a key was made with: every such study decoded greedily, and
-# none had the small-row bf16 kernel
-_IMPLIED = {"decoding": "greedy", "small_gemm": False}
+# none had the small-row bf16 kernel or folded attention
+_IMPLIED = {"decoding": "greedy", "small_gemm": False, "folded_gqa": False}
 
 
 def environment(model) -> dict:
@@ -444,6 +444,7 @@ def _default_study_name(identity: dict) -> str:
     # True (== 1) in session 15's identities, then the kernel's revision, from 3 on with its sums ("3-dot")
     kernel = identity.get("small_gemm")
     packed += ("-smallgemm" if kernel == 1 else f"-smallgemm{kernel}") if kernel else ""
+    packed += "-foldedgqa" if identity.get("folded_gqa") else ""
     decoding = {**_IMPLIED, **identity}["decoding"]
     # one study per sampling setting: "-sampled-temperature0.7-top-p0.9"; greedy studies keep their old names
     slug = decoding.removeprefix("sample, ").replace(", ", "-").replace(" ", "")
