@@ -114,3 +114,17 @@ def test_a_failing_call_points_the_config_back(monkeypatch):
     with pytest.raises(RuntimeError, match="planted"):
         model.generate(prompt(seed=5, length=10), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_measurements_tell_folded_from_plain_attention(monkeypatch):
+    """Folded steps cost less, so a study's identity (and its default name) and bench metadata record the fold."""
+    from selfspec.tools.calibrate.study import _default_study_name
+    from selfspec.tools.measure import model_identity
+
+    model = make_model("llama", dtype=torch.bfloat16)
+    folded = {**model_identity(model, "tiny"), "heads": []}
+    monkeypatch.setenv(SWITCH, "0")
+    plain = {**model_identity(model, "tiny"), "heads": []}
+    assert (folded["folded_gqa"], plain["folded_gqa"]) == (True, False)
+    assert _default_study_name(folded) == _default_study_name(plain) + "-foldedgqa"
+    assert model_identity(make_model("llama", dtype=torch.float32), "tiny")["folded_gqa"] is False

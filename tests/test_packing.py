@@ -145,12 +145,14 @@ def test_load_packs_bf16_on_cpu_by_default():
     assert not is_packed(selfspec.load("smollm2-135m", dtype="float32")[0])
 
 
-def test_measurements_tell_packed_from_dense():
+def test_measurements_tell_packed_from_dense(monkeypatch):
     """A calibration's study identity (and so its default study name) records packing: packed steps are faster,
     so trials timed on the dense model are another setup's; and so does the small-row kernel, faster still."""
+    from selfspec.attention import SWITCH
     from selfspec.tools.calibrate.study import _default_study_name
     from selfspec.tools.measure import model_identity
 
+    monkeypatch.setenv(SWITCH, "0")  # the names' last part, folded attention, has a test of its own (test_attention)
     model = make_model("llama", dtype=torch.bfloat16)
     dense = {**model_identity(model, "tiny"), "heads": []}
     selfspec.pack_weights(model, small_gemm=False)
