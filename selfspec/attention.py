@@ -37,7 +37,9 @@ from torch.nn import functional as F
 
 FOLDED = "selfspec_folded_sdpa"  # the name registered with transformers' AttentionInterface
 SWITCH = "SELFSPEC_FOLDED_GQA"  # set to 0: no call folds (read at every engine forward, for side-by-side timing)
-MAX_ROWS = 32  # torch's smallest query block on CPU: up to here a folded call is one block of 2+ rows
+# torch's CPU query block for short queries: longer calls split into blocks of 32 rows, where a last block of one
+# row would take the slow 1-row path; passes that long (padded prefills) are not what the fold is for
+MAX_ROWS = 32
 _FOLD_DTYPES = (torch.bfloat16,)  # measured here; float32 is the exact regime and gains nothing (module docstring)
 _UNFOLDABLE_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")
 # set inside folded_gqa: a call from elsewhere (another thread using the model meanwhile) is left to transformers
