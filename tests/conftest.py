@@ -95,3 +95,10 @@ def smollm2():
         return load_default_model(dtype=torch.float32)
     except (ModuleNotFoundError, ImportError) as err:
         pytest.skip(str(err))
+
+
+def greedy_with_scores(model, ids, max_new_tokens: int = 12):
+    """(sequences, stacked scores) of a greedy generate: the tests that compare two runs' tokens and scores."""
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
+                         return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.scores)

@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 import selfspec
-from conftest import TEST_DEVICE, make_model, prompt
+from conftest import TEST_DEVICE, greedy_with_scores, make_model, prompt
 from selfspec import attention
 from selfspec.attention import FOLDED, SWITCH, fold_rows
 
@@ -67,20 +67,14 @@ def _folds_seen(monkeypatch) -> list:
     return seen
 
 
-def _greedy(model, ids, **kwargs):
-    out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
-                         return_dict_in_generate=True, **kwargs)
-    return out.sequences, torch.stack(out.scores)
-
-
 def test_the_engine_folds_its_own_bf16_calls_only(monkeypatch):
     model = make_model("llama", dtype=torch.bfloat16)  # 4 query heads over 2 KV heads
     seen = _folds_seen(monkeypatch)
     ids = prompt(seed=3, length=20)
-    plain = _greedy(model, ids)
+    plain = greedy_with_scores(model, ids, 16)
     assert seen == []  # the model's own generate: transformers' sdpa, untouched
     selfspec.wrap(model, exit_layer=2, max_draft_tokens=4)
-    folded = _greedy(model, ids)
+    folded = greedy_with_scores(model, ids, 16)
     assert model.selfspec.last_stats.drafted_tokens > 0
     assert (1, False) in seen and any(t > 1 and masked for t, masked in seen)  # decoding steps and verify passes
     assert model.config._attn_implementation == "sdpa"  # pointed back after every call
@@ -90,14 +84,14 @@ def test_the_engine_folds_its_own_bf16_calls_only(monkeypatch):
 
     seen.clear()
     monkeypatch.setenv(SWITCH, "0")
-    assert _greedy(model, ids)[0].shape == plain[0].shape and seen == []
+    assert greedy_with_scores(model, ids, 16)[0].shape == plain[0].shape and seen == []
 
 
 def test_float32_and_ungrouped_models_never_fold(monkeypatch):
     seen = _folds_seen(monkeypatch)
     for model in (make_model("llama", dtype=torch.float32), make_model("gpt2", dtype=torch.bfloat16)):
         selfspec.wrap(model, exit_layer=2, max_draft_tokens=4)
-        _greedy(model, prompt(seed=4, length=12))
+        greedy_with_scores(model, prompt(seed=4, length=12), 16)
         assert model.selfspec.last_stats.drafted_tokens > 0
     assert seen == []
 

@@ -7,16 +7,10 @@ import pytest
 import torch
 
 import selfspec
-from conftest import TEST_DEVICE, make_model, prompt
+from conftest import TEST_DEVICE, greedy_with_scores, make_model, prompt
 from selfspec.attention import SWITCH
 
 FORCE = "TRANSFORMERS_SDPA_FORCE_GQA"
-
-
-def _greedy_with_scores(model, ids):
-    out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
-                         return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.scores)
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="in place only on CPU (CUDA's masked grouped sdpa is slower)")
@@ -27,11 +21,11 @@ def test_masked_passes_attend_grouped_heads_in_place_with_the_same_bits(monkeypa
     model.model.layers[1].self_attn.register_forward_hook(lambda *_: seen.append(os.environ.get(FORCE)))
     selfspec.wrap(model, exit_layer=2, max_draft_tokens=4)
     ids = prompt(seed=3, length=20)
-    in_place = _greedy_with_scores(model, ids)
+    in_place = greedy_with_scores(model, ids)
     assert model.selfspec.last_stats.drafted_tokens > 0  # verify passes with masks ran
     assert "1" in seen and FORCE not in os.environ  # they ran with it, and it was put back afterwards
     seen.clear()
     monkeypatch.setenv(FORCE, "0")  # a value the user set wins: transformers' repeat_kv copies
-    copied = _greedy_with_scores(model, ids)
+    copied = greedy_with_scores(model, ids)
     assert set(seen) == {"0"}
     assert torch.equal(in_place[0], copied[0]) and torch.equal(in_place[1], copied[1])

@@ -32,7 +32,7 @@ import torch
 
 from ..config import SelfSpecConfig
 from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, left_pad, load_prompts
-from .measure import eos_ids_of, loadavg, machine_info, sampling_kwargs, timed, versions
+from .measure import eos_ids_of, loadavg, machine_info, sampling_kwargs, step_speedups, timed, versions
 from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge, verify_chunk
 
 BASELINE = "hf-greedy"
@@ -691,6 +691,9 @@ def _sampling_words(settings: dict) -> str:
     return f"sampling, temperature {settings['temperature']}" + (f", top-p {top_p}" if top_p < 1 else "")
 
 
+_FOLDED_WORDS = ", grouped-query attention folded in the engine (selfspec/attention.py)"
+
+
 def render_markdown(result: BenchResult, meta: dict) -> str:
     setup, settings = result.setup, meta["settings"]
     ee = setup["hf_early_exit_layer"]
@@ -708,7 +711,7 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
         f"max_new_tokens={settings['max_new_tokens']}, batch size {settings['batch_size']}, "
         f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}"
         f"{', weights packed (selfspec.pack_weights)' if meta['model'].get('packed') else ''}"
-        f"{', grouped-query attention folded in the engine (selfspec/attention.py)' if meta['model'].get('folded_gqa') else ''}",
+        f"{_FOLDED_WORDS if meta['model'].get('folded_gqa') else ''}",
         f"- selfspec: exit layer {setup['selfspec_config']['exit_layer']} of {setup['num_layers']}, "
         f"max_draft_tokens={setup['selfspec_config']['max_draft_tokens']}, heads: {setup['heads_source']}",
     ]
@@ -904,9 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         from ..models import dtype_name, resolve_model
-        from ..arch import adapter_for
-        from ..attention import folds
-        from ..packing import apply_choice, is_packed, small_kernel_revision
+        from ..packing import apply_choice
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         apply_choice(model, cfg.pack_weights)
@@ -925,9 +926,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "selfspec bench " + shlex.join(argv), "machine": {**machine_info(device),
             "loadavg_start": loadavg_start, "loadavg_end": loadavg()}, "versions": versions(),
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
-                      "packed": is_packed(model), "small_gemm": small_kernel_revision(model),
-                      "folded_gqa": folds(adapter_for(model), device, model.dtype),
-                      "parameters": sum(p.numel() for p in model.parameters())},
+                      **step_speedups(model), "parameters": sum(p.numel() for p in model.parameters())},
             "settings": asdict(cfg)}
     paths = write_outputs(result, meta, cfg.output or default_output(cfg))
     print(render_markdown(result, meta))

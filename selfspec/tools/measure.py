@@ -89,19 +89,28 @@ def loadavg() -> list | None:
 @torch.no_grad()
 def model_identity(model, name: str | None = None) -> dict:
     """The model a measurement belongs to: its name, the identity saved heads are checked against (io.model_identity:
-    type, sizes and an LM-head fingerprint that tells checkpoints of one shape apart), device type and dtype."""
+    type, sizes and an LM-head fingerprint that tells checkpoints of one shape apart), device type and dtype, and
+    what makes its steps faster (step_speedups)."""
+    from ..arch import adapter_for
+    from ..io import model_identity as weights_identity
+
+    param = next(model.parameters())
+    return {"model_name": name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+            **weights_identity(adapter_for(model)), "device": param.device.type, "dtype": str(param.dtype),
+            **step_speedups(model)}
+
+
+def step_speedups(model) -> dict:
+    """What makes this model's steps faster than transformers' own, so that timings with and without it are
+    another setup's: packed bf16 weights, more so with the small-row kernel (its revision: each is faster), and
+    attention with grouped heads folded into rows (attention.py). Study identities and bench metadata record it."""
     from ..arch import adapter_for
     from ..attention import folds
-    from ..io import model_identity as weights_identity
     from ..packing import is_packed, small_kernel_revision
 
-    param, adapter = next(model.parameters()), adapter_for(model)
-    return {"model_name": name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
-            **weights_identity(adapter), "device": param.device.type, "dtype": str(param.dtype),
-            # packed bf16 weights step faster, more so with the small-row kernel (its revision: each is faster),
-            # and so does attention with grouped heads folded into rows (attention.py)
-            "packed": is_packed(model), "small_gemm": small_kernel_revision(model),
-            "folded_gqa": folds(adapter, param.device, param.dtype)}
+    param = next(model.parameters())
+    return {"packed": is_packed(model), "small_gemm": small_kernel_revision(model),
+            "folded_gqa": folds(adapter_for(model), param.device, param.dtype)}
 
 
 def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:
