@@ -504,18 +504,69 @@ def test_tree_sampling_negative_control_residual(target_and_exact, monkeypatch, 
     assert min(pvalues) < ALPHA, pvalues
 
 
+def _lookup_rule(rows: torch.Tensor, last: torch.Tensor, n_max: int) -> tuple[list[int], list[int]]:
+    """The n-gram drafter's vectorised rule on (R, L) texts ending at `last` (R,): each row's copy candidate
+    (-1: none) and match length."""
+    from selfspec.drafters.ngram import continuation, suffix_match
+
+    match, end = suffix_match(rows, last, n_max, 1)
+    token, length = continuation(rows, last, match, end, 1)
+    match = match.masked_fill(length == 0, 0)
+    return torch.where(match > 0, token[:, 0], -1).tolist(), match.tolist()
+
+
 def test_prefix_copy_candidates_match_the_drafters_lookup():
-    """train_copy and eval_heads look candidates up for every prefix in one pass; the drafter with suffix_match on
-    the text so far. Both must give the same token and match length at every position."""
-    from selfspec.drafters.ngram import copy_candidates, prefix_copy_candidates
+    """train_copy and eval_heads look candidates up for every prefix in one pass; the n-gram drafter with
+    suffix_match on the text so far. Both must give the same token and match length at every position."""
+    from selfspec.drafters.ngram import prefix_copy_candidates
 
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
         length, n_max = int(torch.randint(1, 40, (1,), generator=g)), 1 + trial % 5
         text = torch.randint(0, 2 + trial % 5, (length,), generator=g)
-        token, match = prefix_copy_candidates(text.tolist(), n_max)
         last = torch.arange(length)
         rows = text[None].expand(length, length).masked_fill(torch.arange(length)[None] > last[:, None], -1)
-        want_token, want_match = copy_candidates(rows, last, n_max)
-        assert match == want_match.tolist(), trial
-        assert token == torch.where(want_match > 0, want_token, -1).tolist(), trial
+        assert prefix_copy_candidates(text.tolist(), n_max) == _lookup_rule(rows, last, n_max), trial
+
+
+def test_copy_paths_look_up_each_inputs_path_as_the_vectorised_rule():
+    """The copy head's host index (CopyPaths) against the n-gram drafter's rule on the whole text: a padded batch,
+    a chain step and then a tree step whose nodes read their ancestors' drafts, with text verified in between."""
+    from types import SimpleNamespace
+
+    from selfspec.drafters.early_exit import CopyPaths
+    from selfspec.drafters.ngram import _PAD
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(30):
+        b, prompt_len, n_max, vocab = 3, 12, 1 + trial % 4, 2 + trial % 4
+        seq = torch.randint(0, vocab, (b, 40), generator=g)
+        mask = torch.ones(b, prompt_len, dtype=torch.long)
+        mask[1, :3] = 0  # left padding, and a gap: padding never matches
+        mask[2, 5] = 0
+        state = SimpleNamespace(seq=seq, prompt_len=prompt_len, mask=mask, batch=b, lengths=[prompt_len] * b)
+        paths = CopyPaths(n_max)
+        paths.begin(state)
+        text = seq.masked_fill(torch.nn.functional.pad(mask == 0, (0, 40 - prompt_len)), _PAD)
+        for verified, parents in ((prompt_len, None), (prompt_len + 4, torch.tensor([[0, 0, 1, 2, 1]] * b))):
+            state.lengths = [verified] * b
+            paths.start()
+            inputs = torch.randint(0, vocab, (b, 1 if parents is None else 5), generator=g)
+            inputs[:, 0] = seq[:, verified - 1]  # the step's first input is the pending token
+            chain = torch.randint(0, vocab, (b, 3), generator=g)
+            calls = [(inputs, parents)] if parents is not None else [(inputs, None), (chain, None)]
+            got = [paths.candidates(state, x, p) for x, p in calls]
+            order = torch.cat([x for x, _ in calls], dim=1)  # every input of the step, in verify-input order
+            parent = (torch.arange(order.shape[1]) - 1)[None].expand(b, -1) if parents is None else parents
+            for row in range(b):
+                for i in range(order.shape[1]):
+                    path, cur = [], i
+                    while cur > 0:  # the drafts on input i's path, newest first
+                        path.append(int(order[row, cur]))
+                        cur = int(parent[row, cur])
+                    whole = torch.cat([text[row, :verified], torch.tensor(path[::-1], dtype=torch.long)])
+                    want = _lookup_rule(whole[None], torch.tensor([len(whole) - 1]), n_max)
+                    have = torch.cat([t for t, _ in got], 1)[row, i], torch.cat([m for _, m in got], 1)[row, i]
+                    assert (int(have[0]), int(have[1])) == (want[0][0], want[1][0]), (trial, row, i)
+
+

@@ -9,7 +9,7 @@ from ..cache import SpecCache
 from ..forward import forward_early, run_module
 from ..heads import ExitHead, draft_logits, full_vocab_logits
 from .base import ConfidenceRule, Draft, Drafter, choose_draft
-from .ngram import _PAD, NgramDrafter, copy_candidates
+from .ngram import _PAD, SuffixIndex
 from .tree import grow_tree
 
 
@@ -167,69 +167,49 @@ class TopStates:
 class CopyPaths:
     """What a copy head reads during one generate call: for each verify input of the step, the text that ends with
     it (the row's verified text, whose last token is the pending one, then the drafts on the input's path: a
-    chain's earlier drafts or a tree node's ancestors) looked up as prompt lookup does (`copy_candidates`)."""
+    chain's earlier drafts or a tree node's ancestors) looked up as prompt lookup does, in a host-side SuffixIndex
+    of each row's verified text."""
 
     def __init__(self, n_max: int):
         self.n_max = n_max
-        self.lookup = NgramDrafter(n_max, 1)  # for its text_of: each row's tokens, prompt padding never matching
-        self.tokens = self.parent = None  # (B, inputs so far): this step's verify inputs and their parents' indices
+        self.texts: list[SuffixIndex] = []  # [row]: its verified text so far, prompt padding as _PAD
+        self.paths: list[list[tuple]] = []  # [row][verify input of this step]: the drafts after the pending token
 
     def begin(self, state) -> None:
-        self.lookup.begin(state)
+        prompt = state.seq[:, : state.prompt_len]
+        if state.mask is not None:
+            prompt = prompt.masked_fill(state.mask == 0, _PAD)
+        self.texts = [SuffixIndex(self.n_max) for _ in range(state.batch)]
+        for index, row in zip(self.texts, prompt.tolist()):
+            index.extend(row)
         self.start()
 
     def start(self) -> None:
         """A new step: its first input is the pending token (index 0), the last token of the verified text."""
-        self.tokens = self.parent = None
+        self.paths = [[] for _ in self.texts]
 
     def candidates(self, state, inputs: torch.Tensor, parents: torch.Tensor | None):
         """(B, T) the step's next verify inputs (parents: their parents' input indices, None: each follows the one
-        before) -> (token (B, T), match (B, T)): each input's copy candidate and its match length (0: none)."""
-        b, t = inputs.shape
-        n = 0 if self.tokens is None else self.tokens.shape[1]
-        index = torch.arange(n, n + t, device=inputs.device)[None, :].expand(b, t)
-        chain = parents is None
-        if chain:
-            parents = index - 1  # the pending token's "parent" (-1) is the verified text itself
-        self.tokens = inputs if self.tokens is None else torch.cat([self.tokens, inputs], dim=1)
-        self.parent = parents if self.parent is None else torch.cat([self.parent, parents], dim=1)
-        text, last = self.lookup.text_of(state)  # (B, L), (B,): last is the pending token
-        if chain:  # a chain (or a tree's root): each input's path is the inputs after the pending one
-            path, depth = self.tokens[:, None, 1:].expand(b, t, n + t - 1), index
-        else:
-            path, depth = self._paths(index)  # (B, T, D) drafts after the pending token, oldest first; (B, T)
-        rows = _texts_with_paths(text, last, path, depth)  # (B * T, L + D)
-        token, match = copy_candidates(rows, (last[:, None] + depth).flatten(), self.n_max)
-        return token.view(b, t), match.view(b, t)
+        before) -> (token (B, T), match (B, T)): each input's copy candidate (-1: none) and its match length."""
+        self._catch_up(state)
+        inputs_at, parents_at = inputs.tolist(), None if parents is None else parents.tolist()
+        token, match = [], []
+        for b, (index, paths) in enumerate(zip(self.texts, self.paths)):
+            for t, tok in enumerate(inputs_at[b]):
+                parent = len(paths) - 1 if parents_at is None else parents_at[b][t]
+                paths.append(paths[parent] + (tok,) if paths else ())  # the pending token ends the text itself
+                tok, n = index.candidate(paths[-1])
+                token.append(tok)
+                match.append(n)
+        shape = inputs.shape
+        return (torch.tensor(token, device=inputs.device).view(shape),
+                torch.tensor(match, device=inputs.device).view(shape))
 
-    def _paths(self, index: torch.Tensor):
-        """(B, T) input indices -> ((B, T, D) the drafted tokens on each one's path, oldest first, and (B, T) its
-        length D_i <= D): walking up parents until the pending token."""
-        newest_first, cur = [], index
-        while bool((cur > 0).any()):
-            live = cur > 0
-            newest_first.append(torch.where(live, self.tokens.gather(1, cur), -1))
-            cur = torch.where(live, self.parent.gather(1, cur), 0)
-        b, t = index.shape
-        if not newest_first:
-            return index.new_zeros(b, t, 0), index.new_zeros(b, t)
-        steps = torch.stack(newest_first, dim=-1)  # (B, T, D)
-        depth = (steps >= 0).sum(-1)
-        col = torch.arange(steps.shape[-1], device=index.device)
-        oldest_first = steps.gather(-1, (depth[..., None] - 1 - col).clamp(min=0))
-        return oldest_first, depth
-
-
-def _texts_with_paths(text: torch.Tensor, last: torch.Tensor, path: torch.Tensor, depth: torch.Tensor):
-    """(B, L) texts ending at `last` (B,), (B, T, D) paths of which the first depth (B, T) tokens count -> (B * T,
-    L + D) texts, row (b, t) continuing text b with its path right after `last`."""
-    b, length = text.shape
-    t, d = path.shape[1], path.shape[2]
-    rows = torch.nn.functional.pad(text, (0, d + 1), value=_PAD)[:, None].expand(b, t, length + d + 1).clone()
-    col = last[:, None, None] + 1 + torch.arange(d, device=text.device)  # (B, 1, D)
-    col = torch.where(torch.arange(d, device=text.device) < depth[..., None], col, length + d)  # spill: last column
-    rows.scatter_(2, col, path)
-    return rows[..., : length + d].reshape(b * t, length + d)
+    def _catch_up(self, state) -> None:
+        """Index what each row verified since the last step (once a step: the step's paths are still empty)."""
+        for b, index in enumerate(self.texts):
+            if not self.paths[b] and len(index.tokens) < state.lengths[b]:
+                index.extend(state.seq[b, len(index.tokens) : state.lengths[b]].tolist())
 
 
 class HeadCache:

@@ -10,7 +10,8 @@ the drafted positions.
 
 The lookup is vectorised over the batch and the suffix offsets: one (B, ngram_max, S) comparison against shifted
 views of the text, so a step costs O(B * S * ngram_max) elementwise work in a fixed handful of ops and no per-row
-Python (the chain's copy head looks up once per drafted token).
+Python. A copy head looks up once per drafted token, where that handful of ops would cost more than the rest of
+the head, so it keeps a SuffixIndex of each row's text on the host instead (the same rule).
 """
 from __future__ import annotations
 
@@ -76,30 +77,62 @@ def continuation(text: torch.Tensor, last: torch.Tensor, match: torch.Tensor, en
     return text.gather(1, where), length
 
 
-def copy_candidates(text: torch.Tensor, last: torch.Tensor, n_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A copy head's input: the token after the most recent earlier occurrence of each row's longest suffix of
-    n <= n_max tokens, and n. text (R, L), last (R,) -> (token (R,), match (R,)), match 0 where none."""
-    match, end = suffix_match(text, last, n_max, 1)
-    token, length = continuation(text, last, match, end, 1)
-    return token[:, 0], match.masked_fill(length == 0, 0)
+class SuffixIndex:
+    """A growing text's copy candidates on the host: where each n-gram (n <= n_max) last ended, so that a copy
+    head's candidate (the token after the most recent earlier occurrence of the text's longest suffix of n <= n_max
+    tokens that has one) costs a dict lookup per n, not a pass over the text. The rule is suffix_match's, which the
+    n-gram drafter vectorises over a batch (tests hold the two together); _PAD (prompt padding) never matches.
+
+    The text is verified tokens, indexed as they come (`extend`); a lookup may add a path of drafts after them,
+    which is searched but never indexed, so a rejected draft leaves nothing behind."""
+
+    def __init__(self, n_max: int):
+        self.n_max, self.tokens = n_max, []
+        self.last_end = [dict() for _ in range(n_max + 1)]  # [n][n tokens] -> their latest end, before the last
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._index_end(len(self.tokens) - 1)  # the n-grams ending at the old last token are now earlier ones
+            self.tokens.append(token)
+
+    def _index_end(self, t: int) -> None:
+        for n in range(1, min(self.n_max, t + 1) + 1):
+            gram = tuple(self.tokens[t - n + 1 : t + 1])
+            if gram[0] == _PAD:  # longer n-grams hold the padding too
+                break
+            self.last_end[n][gram] = t
+
+    def candidate(self, path: tuple = ()) -> tuple[int, int]:
+        """(token, match) for the text followed by `path`: token -1 and match 0 where no suffix occurs earlier."""
+        size = len(self.tokens)
+
+        def at(i: int) -> int:
+            return self.tokens[i] if i < size else path[i - size]
+
+        last = size + len(path) - 1
+        for n in range(min(self.n_max, last + 1), 0, -1):
+            gram = tuple(at(i) for i in range(last - n + 1, last + 1))
+            if _PAD in gram:
+                continue
+            # ends the index does not hold yet: the text's last token and the path, most recent first
+            for end in range(last - 1, max(size - 2, n - 2), -1):
+                if all(at(end - i) == gram[n - 1 - i] for i in range(n)):
+                    return at(end + 1), n
+            end = self.last_end[n].get(gram)
+            if end is not None:
+                return at(end + 1), n
+        return -1, 0
 
 
 def prefix_copy_candidates(tokens: list[int], n_max: int) -> tuple[list[int], list[int]]:
-    """copy_candidates for every prefix tokens[:t + 1] of one text at once, for training and replay: one pass,
-    a dict per n of where each n-gram last ended. -> (token, match) lists of len(tokens); token -1 where none."""
-    last_end: list[dict] = [dict() for _ in range(n_max + 1)]
-    out_tok, out_match = [], []
-    for t in range(len(tokens)):
-        tok, match = -1, 0
-        for n in range(min(n_max, t + 1), 0, -1):
-            end = last_end[n].get(tuple(tokens[t - n + 1 : t + 1]))
-            if end is not None:
-                tok, match = tokens[end + 1], n
-                break
+    """A copy head's candidate for every prefix tokens[:t + 1] of one text at once, for training and replay:
+    -> (token, match) lists of len(tokens); token -1 where none."""
+    index, out_tok, out_match = SuffixIndex(n_max), [], []
+    for token in tokens:
+        index.extend([token])
+        tok, match = index.candidate()
         out_tok.append(tok)
         out_match.append(match)
-        for n in range(1, min(n_max, t + 1) + 1):  # the n-grams ending at t are earlier occurrences from t + 1 on
-            last_end[n][tuple(tokens[t - n + 1 : t + 1])] = t
     return out_tok, out_match
 
 
