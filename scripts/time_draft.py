@@ -6,7 +6,7 @@
 
 Greedy generations on Spec-Bench eval prompts (one per category) with the early_exit drafter, in chains or, with
 --tree-top-k > 1, in trees. Each part (layers [0, E), the head's MLP, its draft-vocabulary logits with the copy
-rescoring, the copy lookup, the draft choice or a tree's growth; then the verify pass over layers [E, L), the LM
+logit, the copy lookup, the draft choice or a tree's growth; then the verify pass over layers [E, L), the LM
 head with the verdict, the prefill) is timed with perf_counter around the function the loop or the drafter calls,
 so the sums include Python; no profiler, whose per-op cost would inflate the small parts. Prints each part's mean
 per call and per verify step.
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     for owner, name, label in ((early_exit, "forward_early", "layers [0, E)"),
                                (early_exit.TopStates, "normed", "head MLP (top-reading)"),
                                (early_exit.CopyPaths, "candidates", "copy lookup"),
-                               (early_exit, "draft_logits", "draft-vocabulary logits + rescoring"),
+                               (early_exit, "draft_scores", "draft-vocabulary logits + copy logit"),
                                (early_exit, "choose_draft", "draft choice (chains)"),
                                (early_exit, "grow_tree", "tree growth, all levels (trees)"),
                                (early_exit.EarlyExitDrafter, "propose", "whole proposal"),

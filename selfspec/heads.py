@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -93,7 +94,7 @@ class MLPHead(ExitHead):
     With `copy_max` > 0 it is also a copy head: what an MLP over one position cannot do is look a token up in the
     prompt, which is where most of the eval split's missed tokens come from. The drafter hands it, per draft, the
     token that followed the most recent earlier occurrence of the text's last n tokens (prompt lookup's candidate,
-    n <= copy_max, the longest that occurs) and n; `rescore_copy` gives that token its own LM-head logit plus a
+    n <= copy_max, the longest that occurs) and n; `copy_logit` gives that token its own LM-head logit plus a
     learned trust `copy_bias[n] + copy_gate(normed state)`. Both start at zero and are fitted by train.train_copy.
     The draft is still a distribution the head chose, so verification stays exact.
     """
@@ -154,23 +155,16 @@ class MLPHead(ExitHead):
     def copy_score(self, own: torch.Tensor, normed: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
         """The copy candidate's draft logit (...,): its own LM-head logit `own` (...,) plus the trust in a `match`
         (...,)-token suffix match, moved by the head's normed state (..., H) there."""
-        gate = self.copy_gate(normed.to(self.copy_gate.weight.dtype))[..., 0]
+        weight = self.copy_gate.weight[0]  # (H,): a matrix-vector product, never a packed one-row linear call
+        gate = torch.matmul(normed.to(weight.dtype), weight)
         return own.float() + self.copy_bias[match.clamp(0, self.copy_max)].float() + gate.float()
 
-    def rescore_copy(self, logits: torch.Tensor, normed: torch.Tensor, adapter: ArchAdapter, token: torch.Tensor,
-                     match: torch.Tensor) -> torch.Tensor:
-        """(B, T, V) full-vocabulary draft logits (-inf outside the draft vocabulary) -> the same with each
-        position's copy candidate `token` (B, T) scored by `copy_score`; positions with match 0 have none."""
-        if not self.copy_max:
-            return logits
-        has, where = match > 0, token.clamp(min=0)[..., None]  # (B, T), (B, T, 1)
-        b, t = token.shape
-        # each position's candidate row of the LM head: (B, T, B * T) logits, position (i, j) reads column i * T + j
-        own = lm_logits(adapter, normed, where.flatten()).gather(
-            -1, torch.arange(b * t, device=token.device).view(b, t, 1))[..., 0]  # (B, T)
-        score = self.copy_score(own, normed, match)
-        kept = logits.gather(-1, where)[..., 0]
-        return logits.scatter(-1, where, torch.where(has, score.to(logits.dtype), kept)[..., None])
+    def copy_logit(self, normed: torch.Tensor, adapter: ArchAdapter, token: torch.Tensor,
+                   match: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) normed states and their copy candidates `token` / `match` (B, T) -> (B, T) float draft logits
+        of the candidates by `copy_score`, -inf where match is 0 (no candidate)."""
+        own = token_logits(adapter, normed, token.clamp(min=0))
+        return torch.where(match > 0, self.copy_score(own, normed, match), float("-inf"))
 
 
 @register_head
@@ -294,13 +288,79 @@ def full_vocab_logits(sub: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_s
     return full.index_copy_(sub.dim() - 1, vocab_ids.to(sub.device), sub)
 
 
+@dataclass
+class DraftLogits:
+    """A head's float draft logits at (...) positions, kept as scored: `sub` (..., V_draft) over its draft
+    vocabulary `vocab_ids` (V_draft,) (None: the whole vocabulary), and a copy head's candidate `token` (...) with
+    its logit `copy` (...) (-inf: none), which replaces whatever the vocabulary gave that token. Every other token
+    is -inf. The full (..., V) row is for sampling and logits processors; a greedy draft needs V_draft + 1 columns."""
+
+    sub: torch.Tensor
+    vocab_ids: torch.Tensor | None
+    vocab_size: int
+    token: torch.Tensor | None = None
+    copy: torch.Tensor | None = None
+
+    def last(self) -> "DraftLogits":
+        """(B, T, ...) positions -> the last one's (B, ...)."""
+        pick = (lambda x: None if x is None else x[:, -1])
+        return DraftLogits(self.sub[:, -1], self.vocab_ids, self.vocab_size, pick(self.token), pick(self.copy))
+
+    def full(self) -> torch.Tensor:
+        """(..., V) logits over the full vocabulary."""
+        full = full_vocab_logits(self.sub, self.vocab_ids, self.vocab_size)
+        if self.token is None:
+            return full
+        where = self.token.clamp(min=0)[..., None]
+        kept = full.gather(-1, where)[..., 0]
+        return full.scatter(-1, where, torch.where(self.copy > float("-inf"), self.copy, kept)[..., None])
+
+    def greedy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token (...), top (...)): the argmax of `full()` (among equal logits the smallest id, as argmax picks)
+        and its softmax probability, from the finite columns alone."""
+        if self.vocab_ids is None:
+            values = self.full()
+            ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+        elif self.token is None:
+            values, ids = self.sub, self.vocab_ids.to(self.sub.device).expand_as(self.sub)
+        else:  # the candidate takes its own column, or its vocabulary slot where it has one
+            slot = _slots(self.vocab_ids, self.vocab_size, self.sub.device)[self.token.clamp(min=0)][..., None]
+            values = torch.cat([self.sub, torch.full_like(self.sub[..., :1], float("-inf"))], dim=-1)
+            kept = values.gather(-1, slot)[..., 0]
+            values.scatter_(-1, slot, torch.where(self.copy > float("-inf"), self.copy, kept)[..., None])
+            ids = torch.cat([self.vocab_ids.to(values.device).expand_as(self.sub), self.token[..., None]], dim=-1)
+        top = values.amax(-1, keepdim=True)
+        token = torch.where(values == top, ids, self.vocab_size).amin(-1)
+        return token, torch.softmax(values, dim=-1).amax(-1)
+
+
+_SLOTS: dict = {}  # id(vocab_ids) -> (a weak reference to it, (V,) each token's column: its slot, else V_draft)
+
+
+def _slots(vocab_ids: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
+    entry = _SLOTS.get(id(vocab_ids))
+    if entry is None or entry[0]() is not vocab_ids or entry[1].device != torch.device(device):
+        slots = torch.full((vocab_size,), vocab_ids.numel(), dtype=torch.long, device=device)
+        slots[vocab_ids.to(device)] = torch.arange(vocab_ids.numel(), device=device)
+        entry = _SLOTS[id(vocab_ids)] = (weakref.ref(vocab_ids), slots)
+    return entry[1]
+
+
+def draft_scores(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, vocab_size: int, token=None,
+                 match=None) -> DraftLogits:
+    """(B, T, H) a head's normed outputs -> its DraftLogits at (B, T), with a copy head's candidates `token` /
+    `match` (B, T) scored when given: what the drafter, the cost model's profile and eval_heads' replay all draft
+    from."""
+    sub = lm_logits(adapter, normed, head.vocab_ids).float()
+    if token is None or not head.copy_max:
+        return DraftLogits(sub, head.vocab_ids, vocab_size)
+    return DraftLogits(sub, head.vocab_ids, vocab_size, token, head.copy_logit(normed, adapter, token, match))
+
+
 def draft_logits(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, vocab_size: int, token=None,
                  match=None) -> torch.Tensor:
-    """(B, T, H) a head's normed outputs -> (B, T, V) float draft logits over the full vocabulary (-inf outside the
-    head's), with a copy head's candidates `token` / `match` (B, T) rescored when given: what the drafter, the
-    cost model's profile and eval_heads' replay all draft from."""
-    full = full_vocab_logits(lm_logits(adapter, normed, head.vocab_ids).float(), head.vocab_ids, vocab_size)
-    return full if token is None else head.rescore_copy(full, normed, adapter, token, match)
+    """draft_scores as (B, T, V) float logits over the full vocabulary (-inf outside the head's)."""
+    return draft_scores(head, adapter, normed, vocab_size, token, match).full()
 
 
 def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, text: torch.Tensor,
@@ -348,6 +408,25 @@ def lm_logits(adapter: ArchAdapter, normed: torch.Tensor, vocab_ids: torch.Tenso
         return adapter.logits(normed, vocab_ids)
     rows, bias = _replicated_rows(head, vocab_ids)
     out = nn.functional.linear(normed.to(rows.device), rows, bias)
+    return out if adapter.home is None else out.to(adapter.home)
+
+
+def token_logits(adapter: ArchAdapter, normed: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """The LM head's float logit of one token per state: (..., H) final-normed states, (...) token ids -> (...).
+    A plain weight gives each its row's dot product (a copy head scores one candidate per drafted token, and a
+    call through the LM head with a fresh row set would pack that row first); other weights (sharded, quantized,
+    offloaded) go through lm_logits with the tokens as rows, each state reading its own column."""
+    weight = getattr(adapter.lm_head, "weight", None)
+    plain = (isinstance(weight, torch.Tensor) and not is_dtensor(weight) and weight.is_floating_point()
+             and weight.device.type != "meta" and getattr(adapter.lm_head, "bias", None) is None)
+    if not plain:
+        n = token.numel()
+        out = lm_logits(adapter, normed.reshape(1, n, normed.shape[-1]), token.reshape(n))[0]  # (N, N)
+        return out.diagonal().float().view(token.shape)
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    rows = weight[token.to(weight.device)]  # (..., H)
+    out = torch.linalg.vecdot(normed.to(weight.device, dtype), rows.to(dtype))
+    out = adapter.cap_logits(out)
     return out if adapter.home is None else out.to(adapter.home)
 
 

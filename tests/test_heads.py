@@ -338,3 +338,39 @@ def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
                                        torch.searchsorted(head.vocab_ids, ranked))
             assert (scores[:, :-1] >= scores[:, 1:]).all() and (ranked[:, 0] == logits.argmax(-1)).all()
     assert accepted > 0
+
+
+def test_greedy_draft_from_the_scored_columns_is_the_full_rows_argmax():
+    """DraftLogits.greedy (the drafter's greedy choice over V_draft + 1 columns) against argmax and softmax of the
+    full (B, T, V) row: candidates inside and outside the draft vocabulary, none, and planted ties, where argmax
+    takes the smallest id."""
+    from selfspec.heads import DraftLogits
+
+    g = torch.Generator().manual_seed(0)
+    vocab_ids = torch.tensor([1, 4, 5, 9, 12, 13, 20])
+    for trial in range(40):
+        sub = torch.randn(3, 4, len(vocab_ids), generator=g).round(decimals=trial % 2)  # rounded: many ties
+        token = torch.randint(0, 24, (3, 4), generator=g)
+        copy = torch.randn(3, 4, generator=g).round(decimals=trial % 2) + 1.0
+        copy = copy.masked_fill(torch.rand(3, 4, generator=g) < 0.3, float("-inf"))  # no candidate there
+        dense = torch.randn(3, 4, 24, generator=g).round()  # a head over the whole vocabulary
+        for scores in (DraftLogits(sub, vocab_ids, 24, token, copy), DraftLogits(sub, vocab_ids, 24),
+                       DraftLogits(dense, None, 24, token, copy)):
+            full = scores.full()
+            got, top = scores.greedy()
+            assert torch.equal(got, full.argmax(-1)), trial
+            assert torch.allclose(top, full.softmax(-1).amax(-1)), trial
+
+
+def test_token_logits_score_as_the_lm_head_rows_do():
+    """token_logits (a copy candidate's own logit, one row per state) against the LM head's logits for those ids,
+    on Llama and on Gemma 2, whose soft-capping the row's dot product must apply too."""
+    from selfspec.heads import lm_logits, token_logits
+
+    for family in ("llama", "gemma2"):
+        model = make_model(family, 2).double()
+        adapter = selfspec.arch.adapter_for(model)
+        normed = torch.randn(2, 3, adapter.hidden_size, dtype=torch.float64)
+        token = torch.randint(0, adapter.vocab_size, (2, 3))
+        want = lm_logits(adapter, normed, None).gather(-1, token[..., None])[..., 0]
+        assert torch.allclose(token_logits(adapter, normed, token), want), family

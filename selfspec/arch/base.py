@@ -99,6 +99,10 @@ class ArchAdapter:
         out = head(normed) if vocab_ids is None else _head_rows(head, normed, vocab_ids)
         return out if self.home is None else out.to(self.home)
 
+    def cap_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """What `logits` does after the LM head's product (Gemma's soft-capping); nothing here."""
+        return out
+
     def device_of_layer(self, i: int) -> torch.device:
         """Where layer i computes (its exit head lives there too)."""
         return execution_device(self.layers[i], f"decoder layer {i}")

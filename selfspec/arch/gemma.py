@@ -16,7 +16,9 @@ class GemmaAdapter(LlamaAdapter):
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
 
     def logits(self, normed, vocab_ids=None):
-        out = super().logits(normed, vocab_ids)
+        return self.cap_logits(super().logits(normed, vocab_ids))
+
+    def cap_logits(self, out):
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..heads import DraftLogits
 from ..sampling import logits_to_probs, sample
 
 
@@ -86,14 +87,20 @@ class ConfidenceRule:
         return confidence >= self.threshold
 
 
-def choose_draft(state, logits: torch.Tensor, column: int, scored: bool = False):
-    """The draft step of every drafter that scores the vocabulary: a drafter's raw (B, V) logits for draft column
-    `column` go through the loop's logits processors (the prefix they read ends with the drafts of the earlier
-    columns), then each row takes a sample of the processed distribution when sampling, else its argmax.
+def choose_draft(state, logits, column: int, scored: bool = False):
+    """The draft step of every drafter that scores the vocabulary: a drafter's raw (B, V) logits (or a head's
+    heads.DraftLogits) for draft column `column` go through the loop's logits processors (the prefix they read ends
+    with the drafts of the earlier columns), then each row takes a sample of the processed distribution when
+    sampling, else its argmax.
 
     Returns (token (B,), probs, top): probs (B, V) is the processed distribution (the q of rejection sampling),
-    computed when sampling or when `scored`, else None; top (B,) is its top probability when `scored` (what a
-    ConfidenceRule judges), else None."""
+    computed when sampling (and for plain logits when `scored`), else None; top (B,) is its top probability when
+    `scored` (what a ConfidenceRule judges), else None."""
+    if isinstance(logits, DraftLogits):
+        if not state.do_sample and not state.settings.processors:  # nothing reads the columns a head never scores
+            token, top = logits.greedy()
+            return token, None, top if scored else None
+        logits = logits.full()
     logits = state.process(logits[:, None], offset=column)[:, 0]
     probs = logits_to_probs(logits) if (state.do_sample or scored) else None
     token = sample(probs) if state.do_sample else logits.argmax(dim=-1)

@@ -7,7 +7,7 @@ import torch
 
 from ..cache import SpecCache
 from ..forward import forward_early, run_module
-from ..heads import ExitHead, draft_logits, full_vocab_logits
+from ..heads import DraftLogits, ExitHead, draft_scores
 from .base import ConfidenceRule, Draft, Drafter, choose_draft
 from .ngram import _PAD, SuffixIndex
 from .tree import grow_tree
@@ -50,17 +50,17 @@ class EarlyExitDrafter(Drafter):
 
     def head_logits(self, state, hidden: torch.Tensor, positions: torch.Tensor | None = None,
                     every: bool = False, parents: torch.Tensor | None = None,
-                    inputs: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, H) layer-E states of the inputs just run through layers [0, E), at (B, T) positions -> (B, V)
-        draft logits for the token after the last one (with `every`: (B, T, V), after each), over the full
-        vocabulary (-inf outside the head's). A stateful head takes all T inputs into its cache; a top-reading
-        head reads each input's parent's state (`parents`, see TopStates.normed); a copy head the prompt-lookup
-        candidate after each input (the (B, T) `inputs` tokens; without them it drafts as if none matched)."""
+                    inputs: torch.Tensor | None = None) -> DraftLogits:
+        """(B, T, H) layer-E states of the inputs just run through layers [0, E), at (B, T) positions -> the draft
+        logits (heads.DraftLogits) for the token after the last one (with `every`: at (B, T), after each). A
+        stateful head takes all T inputs into its cache; a top-reading head reads each input's parent's state
+        (`parents`, see TopStates.normed); a copy head the prompt-lookup candidate after each input (the (B, T)
+        `inputs` tokens; without them it drafts as if none matched)."""
         if self.head_cache is not None:
             out = self.head_cache.feed(state, hidden, positions)
             sub = self.head.logits(out if every else out[:, -1:], state.adapter).float()
-            full = full_vocab_logits(sub, self.head.vocab_ids, state.vocab_size)
-            return full if every else full[:, -1]
+            scores = DraftLogits(sub, self.head.vocab_ids, state.vocab_size)
+            return scores if every else scores.last()
         if self.tops is not None:
             normed = self.tops.normed(self.head, state.adapter, hidden, parents)
             normed = normed if every else normed[:, -1:]
@@ -70,14 +70,14 @@ class EarlyExitDrafter(Drafter):
         if self.copies is not None and inputs is not None:
             token, match = self.copies.candidates(state, inputs, parents)  # (B, T): every input joins the paths
             token, match = (token, match) if every else (token[:, -1:], match[:, -1:])
-        full = draft_logits(self.head, state.adapter, normed, state.vocab_size, token, match)  # (B, T', V)
-        return full if every else full[:, -1]
+        scores = draft_scores(self.head, state.adapter, normed, state.vocab_size, token, match)  # at (B, T')
+        return scores if every else scores.last()
 
     def run(self, state, inputs: torch.Tensor, positions: torch.Tensor, every: bool = False,
-            parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            parents: torch.Tensor | None = None) -> tuple[torch.Tensor, DraftLogits]:
         """(B, T) inputs at (B, T) positions through layers [0, E) (into the shared cache), then the head: their
-        (B, T, H) layer-E states and the (B, V) draft logits for the token after the last one (with `every`:
-        (B, T, V), after each, as a tree level needs). The inputs are the step's next verify inputs; `parents`
+        (B, T, H) layer-E states and the draft logits for the token after the last one (with `every`: after each,
+        as a tree level needs). The inputs are the step's next verify inputs; `parents`
         (B, T) are their parents' verify-input indices in a tree (None: each follows the one before). The hybrid
         drafter runs its head drafts through this too."""
         hidden = forward_early(state.ctx, inputs, positions, self.exit_layer).hidden
@@ -86,8 +86,11 @@ class EarlyExitDrafter(Drafter):
     def run_level(self, state):
         """The tree grower's level runner: inputs, positions, their parents' verify-input indices (None for the
         root) -> states and logits after every input."""
-        return lambda inputs, positions, parents=None: self.run(state, inputs, positions, every=True,
-                                                                 parents=parents)
+        def level(inputs, positions, parents=None):
+            hidden, scores = self.run(state, inputs, positions, every=True, parents=parents)
+            return hidden, scores.full()
+
+        return level
 
     def propose(self, state, k: int) -> Draft:
         if k == 0:

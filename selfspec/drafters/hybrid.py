@@ -105,7 +105,7 @@ class HybridDrafter(Drafter):
             end = int(draft_len.masked_fill(~extending, k).min()) + 1
             inputs = torch.cat([state.pending[:, None], tokens], dim=1)[:, fed:end]
             positions = state.pos[:, None] + torch.arange(fed, end, device=state.device)[None, :]
-            h, logits = self.early.run(state, inputs, positions)  # (B, end - fed, H), (B, V)
+            h, logits = self.early.run(state, inputs, positions)  # (B, end - fed, H), DraftLogits at (B,)
             hiddens.append(h)
             fed, col = end, end - 1
             proposing = extending & (draft_len == col)

@@ -190,15 +190,14 @@ def _dtype_of(adapter) -> torch.dtype:
 
 
 def _time_exit_head(engine, exit_layer: int, hidden: torch.Tensor, repeats: int) -> float:
-    """One drafted token's head cost: the head, the full-vocabulary scatter of a reduced head, softmax, argmax."""
+    """One drafted token's head cost: the head and its greedy choice (DraftLogits.greedy), as the drafter drafts."""
     drafter = EarlyExitDrafter(engine.head_for(exit_layer))
     state = SimpleNamespace(adapter=engine.adapter, vocab_size=engine.adapter.vocab_size)
 
     def run():
         if drafter.tops is not None:  # each call a step's first draft (any final state of this shape costs the same)
             drafter.tops.start(hidden[:, -1])
-        probs = drafter.head_logits(state, hidden).softmax(-1)
-        return probs.max(-1).values, probs.argmax(-1)
+        return drafter.head_logits(state, hidden).greedy()
 
     return fastest(run, hidden.device, repeats)
 
