@@ -315,23 +315,38 @@ class DraftLogits:
         kept = full.gather(-1, where)[..., 0]
         return full.scatter(-1, where, torch.where(self.copy > float("-inf"), self.copy, kept)[..., None])
 
+    def columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values (..., C), ids (..., C)): the logits that can be finite and their token ids, in id order but for
+        a candidate outside the draft vocabulary, last. C = V_draft + 1 with a candidate, V_draft without."""
+        if self.vocab_ids is None:
+            values = self.full()
+            return values, torch.arange(values.shape[-1], device=values.device).expand_as(values)
+        ids = self.vocab_ids.to(self.sub.device).expand_as(self.sub)
+        if self.token is None:
+            return self.sub, ids
+        # the candidate takes its vocabulary slot where it has one, else the extra column
+        slot = _slots(self.vocab_ids, self.vocab_size, self.sub.device)[self.token.clamp(min=0)][..., None]
+        values = torch.cat([self.sub, torch.full_like(self.sub[..., :1], float("-inf"))], dim=-1)
+        kept = values.gather(-1, slot)[..., 0]
+        values.scatter_(-1, slot, torch.where(self.copy > float("-inf"), self.copy, kept)[..., None])
+        return values, torch.cat([ids, self.token[..., None]], dim=-1)
+
     def greedy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(token (...), top (...)): the argmax of `full()` (among equal logits the smallest id, as argmax picks)
         and its softmax probability, from the finite columns alone."""
-        if self.vocab_ids is None:
-            values = self.full()
-            ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
-        elif self.token is None:
-            values, ids = self.sub, self.vocab_ids.to(self.sub.device).expand_as(self.sub)
-        else:  # the candidate takes its own column, or its vocabulary slot where it has one
-            slot = _slots(self.vocab_ids, self.vocab_size, self.sub.device)[self.token.clamp(min=0)][..., None]
-            values = torch.cat([self.sub, torch.full_like(self.sub[..., :1], float("-inf"))], dim=-1)
-            kept = values.gather(-1, slot)[..., 0]
-            values.scatter_(-1, slot, torch.where(self.copy > float("-inf"), self.copy, kept)[..., None])
-            ids = torch.cat([self.vocab_ids.to(values.device).expand_as(self.sub), self.token[..., None]], dim=-1)
+        values, ids = self.columns()
         top = values.amax(-1, keepdim=True)
         token = torch.where(values == top, ids, self.vocab_size).amin(-1)
         return token, torch.softmax(values, dim=-1).amax(-1)
+
+    def top_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities (..., k), tokens (..., k)): the k most probable tokens of `full()`, best first, from
+        the finite columns alone (a tree node's children)."""
+        values, ids = self.columns()
+        if k > values.shape[-1]:  # fewer columns than children asked for: rank the full row
+            return torch.log_softmax(self.full(), dim=-1).topk(k, dim=-1)
+        logp, index = torch.log_softmax(values, dim=-1).topk(k, dim=-1)
+        return logp, ids.gather(-1, index)
 
 
 _SLOTS: dict = {}  # id(vocab_ids) -> (a weak reference to it, (V,) each token's column: its slot, else V_draft)

@@ -343,7 +343,7 @@ def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
 def test_greedy_draft_from_the_scored_columns_is_the_full_rows_argmax():
     """DraftLogits.greedy (the drafter's greedy choice over V_draft + 1 columns) against argmax and softmax of the
     full (B, T, V) row: candidates inside and outside the draft vocabulary, none, and planted ties, where argmax
-    takes the smallest id."""
+    takes the smallest id; and DraftLogits.top_k (a tree node's children) against the full row's top-k."""
     from selfspec.heads import DraftLogits
 
     g = torch.Generator().manual_seed(0)
@@ -360,6 +360,10 @@ def test_greedy_draft_from_the_scored_columns_is_the_full_rows_argmax():
             got, top = scores.greedy()
             assert torch.equal(got, full.argmax(-1)), trial
             assert torch.allclose(top, full.softmax(-1).amax(-1)), trial
+            logp, ranked = scores.top_k(3)
+            want_logp = full.log_softmax(-1).topk(3, dim=-1).values
+            assert torch.allclose(logp, want_logp), trial
+            assert torch.allclose(full.log_softmax(-1).gather(-1, ranked), logp), trial  # the tokens carry those
 
 
 def test_token_logits_score_as_the_lm_head_rows_do():

@@ -86,11 +86,8 @@ class EarlyExitDrafter(Drafter):
     def run_level(self, state):
         """The tree grower's level runner: inputs, positions, their parents' verify-input indices (None for the
         root) -> states and logits after every input."""
-        def level(inputs, positions, parents=None):
-            hidden, scores = self.run(state, inputs, positions, every=True, parents=parents)
-            return hidden, scores.full()
-
-        return level
+        return lambda inputs, positions, parents=None: self.run(state, inputs, positions, every=True,
+                                                                 parents=parents)
 
     def propose(self, state, k: int) -> Draft:
         if k == 0:

@@ -15,13 +15,14 @@ import math
 
 import torch
 
+from ..heads import DraftLogits
 from ..trees import tree_ancestors
 from .base import Draft
 
 
 def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: float = 0.0) -> Draft:
     """run_level(inputs (B, F), positions (B, F), parents (B, F) or None) -> (layer-E states (B, F, H), draft
-    logits (B, F, V)); parents are the inputs' parents' verify-input indices, None for the root.
+    logits (B, F, V) or a head's DraftLogits at (B, F)); parents are the inputs' parents' verify-input indices, None for the root.
     Returns a tree Draft of at most `size` nodes and `depth` levels per row (parents, hidden, no q).
 
     threshold: the chain's confidence rule for trees: a level runs only the children whose cumulative draft
@@ -41,8 +42,7 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
         slots.tree = (base, tree_ancestors(run_parents, level))
         hidden, logits = run_level(frontier, (state.pos[:, None] + (level - 1)).expand_as(frontier), frontier_parents)
         hiddens.append(hidden)
-        logp = torch.log_softmax(state.process(logits), dim=-1)  # (B, F, V)
-        top_logp, top_tokens = logp.topk(top_k, dim=-1)  # (B, F, top_k)
+        top_logp, top_tokens = ranked_children(state, logits, top_k)  # (B, F, top_k)
         score = (frontier_score[..., None] + top_logp).flatten(1)  # (B, F * top_k)
         tokens = top_tokens.flatten(1)
         parents = frontier_inputs[..., None].expand(-1, -1, top_k).flatten(1)
@@ -65,6 +65,16 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
     draft_len = torch.full((b,), tokens.shape[1], dtype=torch.long, device=device).masked_fill(state.finished, 0)
     return Draft(tokens=tokens, draft_len=draft_len, hidden=torch.cat(hiddens, dim=1),
                  parents=parents if tokens.shape[1] else None)
+
+
+def ranked_children(state, logits, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A level's draft logits -> each node's top_k children: (log-probabilities, tokens) (B, F, top_k), best first.
+    Without logits processors a head's DraftLogits ranks its own columns; otherwise the processed full rows."""
+    if isinstance(logits, DraftLogits):
+        if not state.settings.processors:
+            return logits.top_k(top_k)
+        logits = logits.full()
+    return torch.log_softmax(state.process(logits), dim=-1).topk(top_k, dim=-1)
 
 
 def frontier_width(level: int, depth: int, top_k: int, size: int, run: int) -> int:
