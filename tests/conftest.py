@@ -20,6 +20,14 @@ def pytest_configure(config):
         torch.set_default_device(TEST_DEVICE)
 
 
+@pytest.fixture
+def on_cpu():
+    """Runs a test of pure functions on the CPU whatever the test device: its draws come from a CPU generator (the
+    same numbers on every device), which refuses to fill tensors that a default CUDA device would put on the GPU."""
+    with torch.device("cpu"):
+        yield
+
+
 def _common(layers: int) -> dict:
     return dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                 max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -82,6 +82,14 @@ def write_cut_file(path: Path, convs: list[dict]) -> None:
     path.write_text(text[:text.rindex("about x")])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def host_default_device():
+    """These commands run here as a user runs them, with no default device: a test that wants the GPU says
+    --device (SELFSPEC_TEST_DEVICE's default device would put their host-side tensors on it)."""
+    with torch.device("cpu"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM

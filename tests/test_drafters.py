@@ -515,6 +515,7 @@ def _lookup_rule(rows: torch.Tensor, last: torch.Tensor, n_max: int) -> tuple[li
     return torch.where(match > 0, token[:, 0], -1).tolist(), match.tolist()
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_prefix_copy_candidates_match_the_drafters_lookup():
     """train_copy and eval_heads look candidates up for every prefix in one pass; the n-gram drafter with
     suffix_match on the text so far. Both must give the same token and match length at every position."""
@@ -529,6 +530,7 @@ def test_prefix_copy_candidates_match_the_drafters_lookup():
         assert prefix_copy_candidates(text.tolist(), n_max) == _lookup_rule(rows, last, n_max), trial
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_copy_paths_look_up_each_inputs_path_as_the_vectorised_rule():
     """The copy head's host index (CopyPaths) against the n-gram drafter's rule on the whole text: a padded batch,
     a chain step and then a tree step whose nodes read their ancestors' drafts, with text verified in between."""

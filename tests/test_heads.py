@@ -8,7 +8,7 @@ import torch
 import selfspec
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.heads import AttentionHead, ExitHead, MLPHead, frequent_token_ids
-from conftest import VOCAB, make_model, padded_batch, prompt
+from conftest import TEST_DEVICE, VOCAB, make_model, padded_batch, prompt
 
 GEN = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
 
@@ -121,8 +121,8 @@ def test_training_lowers_the_loss():
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(60):
-        loss = unrolled_loss(head, rows, torch.arange(len(hidden)), "hidden.2", adapter, None, index, 0.3, "cpu",
-                             torch.float64)
+        loss = unrolled_loss(head, rows, torch.arange(len(hidden)), "hidden.2", adapter, None, index, 0.3,
+                             TEST_DEVICE, torch.float64)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -141,12 +141,14 @@ def test_unrolled_loss_reads_the_heads_own_estimate():
     adapter, head = model.selfspec.adapter, _heads()["mlp-top"]
     g = torch.Generator().manual_seed(0)
     n = 10
-    rows = {"hidden.2": torch.randn(n, 32, generator=g, dtype=torch.float64),
-            "hidden.final": torch.randn(n, 32, generator=g, dtype=torch.float64),
-            "teacher_top1": torch.randint(0, VOCAB, (n,), generator=g)}
+    with torch.device("cpu"):  # drawn by a CPU generator, then moved where the model is
+        rows = {"hidden.2": torch.randn(n, 32, generator=g, dtype=torch.float64),
+                "hidden.final": torch.randn(n, 32, generator=g, dtype=torch.float64),
+                "teacher_top1": torch.randint(0, VOCAB, (n,), generator=g)}
+    rows = {name: value.to(TEST_DEVICE) for name, value in rows.items()}
     rows["prev.final"] = torch.cat([torch.zeros(1, 32, dtype=torch.float64), rows["hidden.final"][:-1]])
     idx, index = torch.tensor([0, 4]), torch.arange(VOCAB)
-    got = unrolled_loss(head, rows, idx, "hidden.2", adapter, None, index, 0.3, "cpu", torch.float64, 2)
+    got = unrolled_loss(head, rows, idx, "hidden.2", adapter, None, index, 0.3, TEST_DEVICE, torch.float64, 2)
 
     def loss_at(j, prev):
         normed = head.normed(rows["hidden.2"][idx + j], adapter, prev)
@@ -340,6 +342,7 @@ def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
     assert accepted > 0
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_greedy_draft_from_the_scored_columns_is_the_full_rows_argmax():
     """DraftLogits.greedy (the drafter's greedy choice over V_draft + 1 columns) against argmax and softmax of the
     full (B, T, V) row: candidates inside and outside the draft vocabulary, none, and planted ties, where argmax

@@ -140,7 +140,8 @@ def test_a_tree_accepts_more_than_its_chain_on_a_flat_model():
 
 def _grown(probs_per_level: list[list[float]], threshold: float, top_k: int = 3, size: int = 12, depth: int = 3):
     """grow_tree on one row whose every node at depth d has the draft distribution probs_per_level[d] (over a
-    vocabulary of that length): the run nodes per level and the tree's nodes."""
+    vocabulary of that length): the run nodes per level and the tree's nodes. A CPU state, so on the CPU whatever
+    the test device."""
     from types import SimpleNamespace
 
     from selfspec.drafters.tree import grow_tree
@@ -154,11 +155,12 @@ def _grown(probs_per_level: list[list[float]], threshold: float, top_k: int = 3,
         return torch.zeros(1, inputs.shape[1], 4), logp.expand(1, inputs.shape[1], -1)
 
     slots = SimpleNamespace(tree=None)
-    state = SimpleNamespace(batch=1, device=torch.device("cpu"), pending=torch.tensor([0]), pos=torch.tensor([5]),
-                            finished=torch.tensor([False]), process=lambda x: x,
-                            is_eos=lambda t: torch.zeros_like(t, dtype=torch.bool),
-                            ctx=SimpleNamespace(slots=slots, cache=SimpleNamespace(layer_length=lambda layer: 0)))
-    draft = grow_tree(state, run_level, depth, top_k, size, threshold)
+    with torch.device("cpu"):
+        state = SimpleNamespace(batch=1, device=torch.device("cpu"), pending=torch.tensor([0]), pos=torch.tensor([5]),
+                                finished=torch.tensor([False]), process=lambda x: x,
+                                is_eos=lambda t: torch.zeros_like(t, dtype=torch.bool),
+                                ctx=SimpleNamespace(slots=slots, cache=SimpleNamespace(layer_length=lambda layer: 0)))
+        draft = grow_tree(state, run_level, depth, top_k, size, threshold)
     return run, draft.tokens.shape[1]
 
 
