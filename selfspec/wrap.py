@@ -163,6 +163,26 @@ def _resolve_config(config, overrides: dict) -> tuple[SelfSpecConfig, str | None
     return (config.replace(**overrides) if overrides else config), directory
 
 
+def calibration_mismatch(config: SelfSpecConfig, model) -> str | None:
+    """Why a calibrated config's speed may not hold for this model, or None: the calibration timed its settings in
+    another dtype or on another kind of device (the shipped SmolLM2 config, timed in bfloat16 on an AVX512-BF16
+    CPU, decodes at 0.92x of plain generate in float32 on an AVX2-only one: bench_results/zen3/bench24-f32)."""
+    calibration = config.metadata.get("calibration") or {}
+    dtype, device = calibration.get("dtype"), calibration.get("device")
+    if config.drafter == "none" or dtype is None or device is None:
+        return None
+    param = next(model.parameters())  # as the calibrator records it (measure.model_identity)
+    here = (str(param.dtype), param.device.type)
+    if (dtype, torch.device(device).type) == here:
+        return None
+    env = calibration.get("environment") or {}
+    machine = f" ({env['cpu']}, {env['cores']} cores)" if env.get("cpu") and env.get("cores") else ""
+    return (f"this config's settings were timed in {dtype.replace('torch.', '')} on {device}{machine}, and this "
+            f"model runs in {here[0].replace('torch.', '')} on {here[1]}, where they may decode slower than plain "
+            f"generate; `selfspec calibrate --model NAME_OR_PATH --output DIR` times them on this machine (and "
+            f"writes a config that drafts nothing where drafting does not pay), then wrap with DIR.")
+
+
 def wrap(model, config=None, **overrides):
     """Make `model.generate` self-speculative, in place; returns the model.
 
@@ -196,6 +216,9 @@ def wrap(model, config=None, **overrides):
     elif drafter is not None:
         overrides["drafter"] = drafter
     config, directory = _resolve_config(config, overrides)
+    mismatch = calibration_mismatch(config, model)
+    if mismatch:
+        warn_once(f"selfspec: {mismatch}", stacklevel=3)
     engine = SelfSpecEngine(model, config)
     if unknown_name is not None:
         engine.config = engine.config.replace(drafter=unknown_name)

@@ -78,6 +78,34 @@ def test_saving_a_drafter_the_config_cannot_rebuild_is_refused(tmp_path, drafter
     assert not (tmp_path / "selfspec_config.json").exists()
 
 
+def _calibrated(dtype: str, device: str, **fields) -> dict:
+    """A config whose settings a calibration timed in `dtype` on `device`, as the calibrator records them."""
+    timed = {"dtype": dtype, "device": device, "environment": {"cpu": "AMD EPYC", "cores": 2}}
+    return {"exit_layer": 2, **fields, "metadata": {"calibration": timed}}
+
+
+def test_settings_timed_in_another_dtype_or_on_another_device_warn_on_wrap():
+    """The shipped config, timed in bf16 on an AVX512-BF16 CPU, decodes slower than plain generate in float32 on an
+    AVX2 one (0.92x): wrapping a model that runs in another dtype or on another kind of device than the calibration
+    says so and names the calibrator; the same dtype and device, a config that drafts nothing, or one no calibration
+    wrote stay quiet."""
+    model = make_model("llama", LAYERS)  # float64
+    device = next(model.parameters()).device.type
+    for other in (_calibrated("torch.bfloat16", device), _calibrated("torch.float64", "meta")):
+        selfspec.hf._warned.clear()
+        with pytest.warns(UserWarning, match=r"settings were timed in .* \(AMD EPYC, 2 cores\), and this model runs "
+                                             rf"in float64 on {device}, .*`selfspec calibrate --model"):
+            selfspec.wrap(model, other)
+        selfspec.unwrap(model)
+    for quiet in (_calibrated("torch.float64", device), _calibrated("torch.bfloat16", device, drafter="none"),
+                  {"exit_layer": 2}):
+        selfspec.hf._warned.clear()  # a warning given once is not given again: quiet must mean not warned at all
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            selfspec.wrap(model, quiet)
+        selfspec.unwrap(model)
+
+
 def test_saving_a_drafter_object_with_settings_the_config_lacks_is_refused(tmp_path):
     model = make_model("llama", LAYERS)
     selfspec.wrap(model, drafter=NgramDrafter(5, 2), exit_layer=2)
