@@ -37,6 +37,6 @@ for plant, lazy in [(None, False), (T._drafts_left_out_of_the_prefix, False), (T
         plant(mp)
     pv, st = T._wrapped_padded_pvalues(model, exact)
     print(plant and plant.__name__, "lazy", lazy, "min p %.2e" % min(pv), "acc %.3f" % st.acceptance_rate,
-          "mean accepted %.2f" % st.mean_accepted if hasattr(st, "mean_accepted") else "")
+          "mean accepted %.2f" % st.mean_accepted_tokens)
     print("   calls (T, lengths, device):", dict(seen.most_common(6)))
     mp.undo()

@@ -15,6 +15,13 @@ HEADS_FILE = "heads.safetensors"
 _FINGERPRINT_ROWS = 64
 
 
+def placement(model) -> dict:
+    """Where a model runs and in what dtype, read off its first parameter: what a calibration records beside its
+    timings (tools.measure.model_identity) and what `wrap` holds a calibrated config's timings against."""
+    param = next(model.parameters())
+    return {"device": param.device.type, "dtype": str(param.dtype)}
+
+
 @torch.no_grad()
 def model_identity(adapter) -> dict:
     """model_type, sizes and a dtype-robust fingerprint of the LM head: statistics of 64 fixed rows."""

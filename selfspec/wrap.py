@@ -16,6 +16,8 @@ from .drafters.base import Drafter
 from .forward import StepContext
 from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
+from .io import load_heads, placement, save_engine
+from .models import dtype_name
 from .packing import is_packed, pack_linears, packs_small
 
 
@@ -136,8 +138,6 @@ class SelfSpecEngine:
 
     def save_pretrained(self, directory: str) -> str:
         """Write only what selfspec adds (config JSON + head weights as safetensors); returns the config path."""
-        from .io import save_engine
-
         return save_engine(self, directory)
 
     def __repr__(self) -> str:
@@ -171,16 +171,15 @@ def calibration_mismatch(config: SelfSpecConfig, model) -> str | None:
     dtype, device = calibration.get("dtype"), calibration.get("device")
     if config.drafter == "none" or dtype is None or device is None:
         return None
-    param = next(model.parameters())  # as the calibrator records it (measure.model_identity)
-    here = (str(param.dtype), param.device.type)
-    if (dtype, torch.device(device).type) == here:
+    here = placement(model)
+    if (dtype, torch.device(device).type) == (here["dtype"], here["device"]):
         return None
     env = calibration.get("environment") or {}
     machine = f" ({env['cpu']}, {env['cores']} cores)" if env.get("cpu") and env.get("cores") else ""
-    return (f"this config's settings were timed in {dtype.replace('torch.', '')} on {device}{machine}, and this "
-            f"model runs in {here[0].replace('torch.', '')} on {here[1]}, where they may decode slower than plain "
-            f"generate; `selfspec calibrate --model NAME_OR_PATH --output DIR` times them on this machine (and "
-            f"writes a config that drafts nothing where drafting does not pay), then wrap with DIR.")
+    return (f"this config's settings were timed in {dtype_name(dtype)} on {device}{machine}, and this model runs in "
+            f"{dtype_name(here['dtype'])} on {here['device']}, where they may decode slower than plain generate; "
+            f"`selfspec calibrate --model NAME_OR_PATH --output DIR` times them on this machine (and writes a config "
+            f"that drafts nothing where drafting does not pay), then wrap with DIR.")
 
 
 def wrap(model, config=None, **overrides):
@@ -228,8 +227,6 @@ def wrap(model, config=None, **overrides):
     elif drafter is not None and not isinstance(drafter, str):
         engine.draft_model = drafter
     if directory is not None:
-        from .io import load_heads
-
         for head in load_heads(directory, engine.adapter):
             engine.add_head(head)
     model.selfspec = engine

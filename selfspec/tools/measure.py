@@ -92,12 +92,10 @@ def model_identity(model, name: str | None = None) -> dict:
     type, sizes and an LM-head fingerprint that tells checkpoints of one shape apart), device type and dtype, and
     what makes its steps faster (step_speedups)."""
     from ..arch import adapter_for
-    from ..io import model_identity as weights_identity
+    from ..io import model_identity as weights_identity, placement
 
-    param = next(model.parameters())
     return {"model_name": name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
-            **weights_identity(adapter_for(model)), "device": param.device.type, "dtype": str(param.dtype),
-            **step_speedups(model)}
+            **weights_identity(adapter_for(model)), **placement(model), **step_speedups(model)}
 
 
 def step_speedups(model) -> dict:
