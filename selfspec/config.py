@@ -23,6 +23,10 @@ class SelfSpecConfig:
     # far (its path probability, as a tree scores nodes) instead of by that draft's alone: long where the head is
     # sure draft after draft (a copy), short after two unsure ones.
     draft_confidence_cumulative: bool = False
+    # A chain drafted by a copy head may run past max_draft_tokens, up to this many drafts, while every draft past
+    # K is the head's copy candidate for a match of 2 or more tokens (0: never past K). Copying text runs long and
+    # is right far more often than free text, so one K cannot suit both (see draft_length.copy_budget).
+    copy_draft_tokens: int = 0
     # Draft trees (EAGLE-2 style): children expanded per node; 1 drafts a chain. max_draft_tokens is the depth.
     draft_tree_top_k: int = 1
     # Most drafted tokens per verify pass of a tree (nodes of all branches together); needs >= max_draft_tokens.
@@ -55,6 +59,9 @@ class SelfSpecConfig:
             raise ValueError(
                 f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}."
             )
+        if not isinstance(self.copy_draft_tokens, int) or self.copy_draft_tokens < 0:
+            raise ValueError(f"copy_draft_tokens must be an integer >= 0 (0: a chain never runs past "
+                             f"max_draft_tokens), got {self.copy_draft_tokens!r}.")
         if not isinstance(self.draft_confidence_cumulative, bool):
             raise ValueError(f"draft_confidence_cumulative must be true or false, got "
                              f"{self.draft_confidence_cumulative!r}.")

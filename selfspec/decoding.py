@@ -14,6 +14,7 @@ import torch
 
 from .cache import SlotTable, SpecCache
 from .distributed import agree_across_ranks
+from .draft_length import copy_budget, draft_budget
 from .drafters.base import Draft, Drafter
 from .forward import StepContext, forward_early, forward_prompt, forward_remainder
 from .processing import PrefixProcessor
@@ -62,6 +63,7 @@ class DecodeSettings:
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int = 0
     max_draft_tokens: int = 6  # the depth of a draft: drafts per step of a chain, levels of a tree
+    copy_draft_tokens: int = 0  # most drafts of a chain that copies (draft_length.copy_budget); 0: never past K
     # draft trees (trees.py): children expanded per node (1: a chain) and most drafted tokens per verify pass
     tree_top_k: int = 1
     tree_size: int = 1
@@ -97,7 +99,8 @@ class DecodeState:
         self.device = input_ids.device
         self.vocab_size = ctx.adapter.vocab_size
         self.do_sample = settings.do_sample
-        capacity = max(settings.max_length, self.prompt_len) + max(settings.max_draft_tokens, settings.tree_size) + 2
+        widest = max(settings.max_draft_tokens, settings.copy_draft_tokens, settings.tree_size)
+        capacity = max(settings.max_length, self.prompt_len) + widest + 2
         self.seq = torch.full((self.batch, capacity), settings.pad_token_id, dtype=torch.long, device=self.device)
         self.seq[:, : self.prompt_len] = input_ids
         self.seq_len = torch.full((self.batch,), self.prompt_len, dtype=torch.long, device=self.device)
@@ -113,6 +116,7 @@ class DecodeState:
         self.done: list[bool] = [False] * self.batch
         self.capacity = capacity
         self.step = 0  # decode steps so far (0: the token after prefill)
+        self.copy_k = 0  # this step's copy_budget: how far a chain that copies may run (the loop sets it)
         self.keep_prompt_hidden = False  # set from the drafter: only heads with a cache of their own need them
         self.prompt_hidden = None
 
@@ -146,12 +150,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def draft_budget(max_draft_tokens: int, remaining: int) -> int:
-    """Drafts to propose this step: at most K, and one fewer than the tokens left, since the verifier always
-    adds one token of its own. The one statement of this rule; replays of the loop import it."""
-    return max(0, min(max_draft_tokens, remaining - 1))
-
-
 def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
     """Run the prompt through all layers; return processed logits (B, 1, V) of the last prompt position."""
     ids, mask = state.seq[:, : state.prompt_len], state.mask
@@ -173,10 +171,11 @@ def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_
     sequence (emit and the processors read them there), and propose nothing for rows that have finished."""
     name = getattr(drafter, "name", None) or type(drafter).__name__
     tokens = draft.tokens
-    chain_too_long = draft.parents is None and tokens.dim() == 2 and tokens.shape[1] > k  # trees: _check_tree
+    most = max(k, state.copy_k)  # a chain that copies may run to copy_k (copy_budget)
+    chain_too_long = draft.parents is None and tokens.dim() == 2 and tokens.shape[1] > most  # trees: _check_tree
     if tokens.dim() != 2 or tokens.shape[0] != state.batch or chain_too_long:
         raise ValueError(f"Drafter {name!r} proposed tokens of shape {tuple(tokens.shape)}; the loop asked for at "
-                         f"most {k} per row of a batch of {state.batch}: return Draft(tokens=(B, <= k) ids, ...).")
+                         f"most {most} per row of a batch of {state.batch}: return Draft(tokens=(B, <= k) ids, ...).")
     if draft.hidden is not None:
         if draft.hidden_layer != exit_layer:
             raise ValueError(f"Drafter {name!r} handed over hidden states of layer {draft.hidden_layer}, but the "
@@ -443,6 +442,7 @@ def _speculative_step(ctx, drafter, state, settings, stats) -> None:
     """One draft -> verify -> emit -> rollback round over the whole batch, with its stats."""
     state.step += 1
     k = draft_budget(settings.max_draft_tokens, state.remaining())
+    state.copy_k = copy_budget(settings.copy_draft_tokens, k, state.remaining())
     base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)  # the verified prefix
     t0 = time.perf_counter()
     draft = take_draft(state, drafter, drafter.propose(state, k), k, settings.exit_layer)

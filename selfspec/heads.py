@@ -16,6 +16,7 @@ from torch import nn
 
 from .arch.base import ArchAdapter
 from .distributed import is_dtensor
+from .draft_length import copies
 
 
 class ExitHead(nn.Module):
@@ -300,11 +301,19 @@ class DraftLogits:
     vocab_size: int
     token: torch.Tensor | None = None
     copy: torch.Tensor | None = None
+    match: torch.Tensor | None = None  # (...) the candidate's match length (draft_length.copies reads it)
 
     def last(self) -> "DraftLogits":
         """(B, T, ...) positions -> the last one's (B, ...)."""
         pick = (lambda x: None if x is None else x[:, -1])
-        return DraftLogits(self.sub[:, -1], self.vocab_ids, self.vocab_size, pick(self.token), pick(self.copy))
+        return DraftLogits(self.sub[:, -1], self.vocab_ids, self.vocab_size, pick(self.token), pick(self.copy),
+                           pick(self.match))
+
+    def copying(self, token: torch.Tensor) -> torch.Tensor:
+        """(...) whether the drafts `token` copy the text (draft_length.copies); all False without a candidate."""
+        if self.token is None:
+            return torch.zeros_like(token, dtype=torch.bool)
+        return copies(token, self.token, self.match)
 
     def full(self) -> torch.Tensor:
         """(..., V) logits over the full vocabulary."""
@@ -369,7 +378,8 @@ def draft_scores(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, voc
     sub = lm_logits(adapter, normed, head.vocab_ids).float()
     if token is None or not head.copy_max:
         return DraftLogits(sub, head.vocab_ids, vocab_size)
-    return DraftLogits(sub, head.vocab_ids, vocab_size, token, head.copy_logit(normed, adapter, token, match))
+    copy = head.copy_logit(normed, adapter, token, match)
+    return DraftLogits(sub, head.vocab_ids, vocab_size, token, copy, match)
 
 
 def draft_logits(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, vocab_size: int, token=None,

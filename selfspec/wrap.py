@@ -13,6 +13,7 @@ from .config import SelfSpecConfig
 from .decoding import DecodeSettings, GenerationStats, speculative_decode
 from .drafters import build_drafter
 from .drafters.base import Drafter
+from .drafters.early_exit import EarlyExitDrafter
 from .forward import StepContext
 from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
@@ -94,6 +95,18 @@ class SelfSpecEngine:
                 f"{num_layers - 1} (layers [0, exit_layer) draft, the rest verify).")
         return exit_layer
 
+    def copy_draft_tokens(self, drafter: Drafter) -> int:
+        """How far this call's chains may run while they copy (draft_length.copy_budget): the config's, for a drafter
+        whose chains copy (`runs_copies`); 0 for every other, so that no other drafter's chain passes K."""
+        wanted = self.config.copy_draft_tokens
+        if getattr(drafter, "runs_copies", False):
+            return wanted
+        if wanted > self.config.max_draft_tokens and isinstance(drafter, EarlyExitDrafter):
+            raise ValueError(f"copy_draft_tokens={wanted} lets a chain run past K while its head copies, but the "
+                             f"head at layer {drafter.exit_layer} has no copy lookup: use heads trained with "
+                             f"copy_max > 0, or set copy_draft_tokens=0.")
+        return 0
+
     def tree_settings(self, drafter: Drafter, settings: DecodeSettings) -> dict:
         """The tree shape this call drafts with: the config's, or a chain (with a one-time warning) where a tree
         cannot run: a drafter that drafts chains only, or logits processors that read the prefix (a tree node's
@@ -129,6 +142,7 @@ class SelfSpecEngine:
         finally:
             self._call_tokenizers = (None, None)
         settings = dataclasses.replace(settings, max_draft_tokens=self.config.max_draft_tokens,
+                                       copy_draft_tokens=self.copy_draft_tokens(drafter),
                                        exit_layer=self.split_layer(drafter), **self.tree_settings(drafter, settings))
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))

@@ -125,7 +125,7 @@ def test_replay_has_the_loops_draft_budget(k, eos_at):
     assert stats.accepted_tokens == stats.drafted_tokens  # the oracle is always right
 
     drafted = []
-    steps = replay_greedy(len(ref), max_new, k, lambda done, budget: drafted.append(budget) or budget)
+    steps = replay_greedy(len(ref), max_new, k, lambda done, budget, _: drafted.append(budget) or budget)
     assert (steps, sum(drafted)) == (stats.verify_steps, stats.drafted_tokens)
     eos = [[t == model.generation_config.eos_token_id for t in ref]]
     sure = cost_model.LayerAcceptance(2, agree=[[True] * len(ref)], conf=[[1.0] * len(ref)])
@@ -232,6 +232,26 @@ def test_tree_shapes_join_the_study(tmp_path):
         selfspec.SelfSpecConfig(**params).validate(num_layers=4)
 
 
+def test_copy_runs_join_the_study(tmp_path):
+    """With a copy head and copy_draft_tokens in the space, chains with and without runs past K are predicted
+    (the replay knows the runs), measured and exact; the best chain's entry says which it is, and trees get none."""
+    from test_copy_runs import _copy_head, _looping_prompt
+
+    model = make_model("llama", 4)
+    selfspec.wrap(model, exit_layer=1)
+    model.selfspec.add_head(_copy_head(model.config.hidden_size, model.dtype))
+    spec = _spec(exit_layer=[1], max_draft_tokens=[1], copy_draft_tokens=[0, 6], draft_tree_top_k=[1, 2],
+                 draft_tree_size=[2])
+    prompts = [_looping_prompt(s).to(model.device) for s in range(2)]
+    result = calibrate(model, prompts, spec, output=str(tmp_path), trials=5, **QUIET)
+    assert result.report["all_outputs_match_plain"], result.report["trials"]
+    predicted = {t["params"]["copy_draft_tokens"]: t["predicted_tokens_per_s"] for t in result.report["trials"]
+                 if "predicted_tokens_per_s" in t and "copy_draft_tokens" in t["params"]}
+    assert set(predicted) == {0, 6} and predicted[0] != predicted[6], result.report["trials"]  # the replay's runs
+    per = json.load(open(tmp_path / "selfspec_config.json"))["metadata"]["calibration"]["per_drafter"]
+    assert per["early_exit"]["copy_draft_tokens"] in (0, 6) and "copy_draft_tokens" not in per["early_exit-tree"]
+
+
 def test_hybrid_trees_join_the_study(tmp_path):
     """The hybrid's trees are searched too (measured, not predicted), exact, and kept apart from its chains under
     "hybrid-tree", which the bench's selfspec-hybrid-tree reads."""
@@ -266,8 +286,10 @@ def test_per_drafter_follows_the_retimed_order():
     assert best_per_drafter(study)["early_exit-tree"]["max_draft_tokens"] == 3  # the trials alone: deep
     confirmed = [{"params": wide}, {"params": deep}]  # re-timed: wide first
     per = best_per_drafter(study, confirmed)
-    # a chain is recorded as one, so that a bench starting from a tree-growing config still runs the chain measured
-    assert per["early_exit-tree"] == wide and per["early_exit"] == {**chain, "draft_tree_top_k": 1}
+    # a chain is recorded as one that never runs past K, so that a bench starting from a tree-growing config, or
+    # from one whose chains copy past K, still runs the chain measured
+    assert per["early_exit-tree"] == wide and per["early_exit"] == {**chain, "draft_tree_top_k": 1,
+                                                                      "copy_draft_tokens": 0}
 
 
 def test_resume_adds_trials_to_the_same_study(tmp_path):

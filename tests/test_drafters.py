@@ -433,6 +433,10 @@ SAMPLING_CASES = {
     "copy-head": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, head="mlp-copy"),
     "copy-head-tree": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=2, draft_tree_top_k=3,
                            draft_tree_size=6, head="mlp-copy"),
+    # a copy head's chain that runs past K=1 while it copies (draft_length.copy_budget): whether a draft is
+    # proposed there must not depend on the sampled token's own value
+    "copy-head-run": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=1, copy_draft_tokens=2,
+                          head="mlp-copy"),
 }
 
 
@@ -482,6 +486,8 @@ def _sampled_pvalues(target_and_exact, case):
 def test_sampling_matches_target(target_and_exact, case):
     pvalues, stats = _sampled_pvalues(target_and_exact, case)
     assert 0.05 < stats.acceptance_rate < 0.95, stats  # accept and resample paths are both exercised
+    if SAMPLING_CASES[case].get("copy_draft_tokens"):  # some chains ran past K
+        assert stats.drafted_tokens > (stats.verify_steps - ROWS) * SAMPLING_CASES[case]["max_draft_tokens"], stats
     assert stats.drafted_tokens > ROWS // 5, stats  # a fair share of rows drafted (n-gram: those with a match)
     assert min(pvalues) > ALPHA, pvalues
 

@@ -52,6 +52,9 @@ class Drafter:
     # keeps them through prefill only for drafters that say so.
     needs_prompt_hidden = False
     drafts_trees = False
+    # Whether its chains may run past K while they copy (draft_length.copy_budget): the loop grants the config's
+    # copy_draft_tokens only to drafters that say so.
+    runs_copies = False
 
     def begin(self, state) -> None:
         """Called once after prefill."""

@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from ..cache import SpecCache
+from ..draft_length import chain_may_draft
 from ..forward import forward_early, run_module
 from ..heads import DraftLogits, ExitHead, draft_scores
 from .base import ConfidenceRule, Draft, Drafter, choose_draft
@@ -27,6 +28,7 @@ class EarlyExitDrafter(Drafter):
         self.needs_prompt_hidden = head.stateful or head.reads_top
         self.tops = TopStates() if head.reads_top else None
         self.copies = CopyPaths(head.copy_max) if head.copy_max else None
+        self.runs_copies = self.copies is not None  # its chains may run past K while they copy (draft_length)
 
     @property
     def threshold(self) -> float:
@@ -101,19 +103,24 @@ class EarlyExitDrafter(Drafter):
         draft_len = torch.zeros_like(state.pending)
         hiddens, tokens, qs = [], [], []
         confidence = 1.0
-        for j in range(k):
+        most = max(k, state.copy_k) if self.runs_copies else k  # past k only while it copies (draft_length)
+        for j in range(most):
             h, logits = self.run(state, x[:, None], state.pos[:, None] + j)
             hiddens.append(h)
             token, probs, top = choose_draft(state, logits, j, scored=True)
             confidence = self.rule.confidence(confidence, top)
-            take = active & self.rule.confident(confidence)
+            confident = self.rule.confident(confidence)
+            # past k: does the distribution's top token copy? Not the sample's own value: whether a sampled draft
+            # is proposed must not depend on it, or rejection sampling would not be exact
+            copying = logits.copying(token if probs is None else probs.argmax(-1)) if j >= k else None
+            take = active & chain_may_draft(j, k, confident, copying)
             draft_len += take.long()
             active = take & ~state.is_eos(token)  # nothing is drafted after an EOS
             tokens.append(token)
             if state.do_sample:
                 qs.append(probs)
             state.write_drafts(token[:, None], start=j)
-            if j + 1 < k and not bool(active.any()):
+            if j + 1 < most and not bool(active.any()):
                 break
             x = token
         width = int(draft_len.max())

@@ -23,7 +23,9 @@ import torch
 
 from ..cache import SlotTable, SpecCache
 from ..drafters.base import ConfidenceRule
+from ..draft_length import chain_may_draft, copies
 from ..drafters.early_exit import EarlyExitDrafter
+from ..drafters.ngram import prefix_copy_candidates
 from ..forward import StepContext, forward_early, forward_prompt
 from ..heads import teacher_forced_copy_logits, teacher_forced_logits
 from .measure import fastest
@@ -58,6 +60,9 @@ class LayerAcceptance:
     # [sequence][i]: the head's TOP_PROBS best probabilities there, best first: how many children of a tree node
     # reach a threshold (the grower runs only those), replayed in simulate_tree
     top: list[list[list[float]]] = field(default_factory=list)
+    # [sequence][i]: the head's draft for answer token i copies the text (draft_length.copies: its copy candidate,
+    # for a long enough match); empty for a head without a copy lookup. A chain runs past K only on these.
+    copying: list[list[bool]] = field(default_factory=list)
 
     @property
     def agreement(self) -> float:
@@ -81,9 +86,10 @@ class LayerAcceptance:
 
 def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice, answer: torch.Tensor):
     """Draft token ids (N,), the head's top probability (N,), the rank of each answer token (N,), its
-    probability (N,) and the head's TOP_PROBS best probabilities (N, TOP_PROBS) at the `rows` of a text `ids`
-    (1, T) whose hidden states (HF's tuple: embeddings, each layer's output, the last one final-normed) are given;
-    answer (N,) holds the tokens the full model emitted there."""
+    probability (N,), the head's TOP_PROBS best probabilities (N, TOP_PROBS) and whether each draft copies (N,)
+    (None without a copy lookup) at the `rows` of a text `ids` (1, T) whose hidden states (HF's tuple: embeddings,
+    each layer's output, the last one final-normed) are given; answer (N,) holds the tokens the full model emitted
+    there."""
     head = engine.head_for(exit_layer)
     if head.copy_max:  # its candidates come from the text; its logits cover the full vocabulary
         logits, vocab_ids = teacher_forced_copy_logits(head, states, engine.adapter, ids, rows), None
@@ -99,8 +105,13 @@ def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice
         column = lookup[column]
     p_answer = probs.gather(1, column.clamp(min=0)[:, None])
     rank = (probs > p_answer).sum(-1).masked_fill(column < 0, probs.shape[-1])
-    return ((idx if vocab_ids is None else head.token_ids(idx)), conf, rank,
-            p_answer[:, 0].masked_fill(column < 0, 0.0), best)
+    drafts = idx if vocab_ids is None else head.token_ids(idx)
+    copying = None
+    if head.copy_max:
+        candidate, match = (torch.tensor(c[rows], device=drafts.device)
+                            for c in prefix_copy_candidates(ids[0, : rows.stop].tolist(), head.copy_max))
+        copying = copies(drafts, candidate, match)
+    return drafts, conf, rank, p_answer[:, 0].masked_fill(column < 0, 0.0), best, copying
 
 
 @torch.no_grad()
@@ -114,13 +125,15 @@ def measure_acceptance(engine, sequences: list[Sequence], exit_layers: list[int]
         states = model(ids, output_hidden_states=True).hidden_states  # L + 1 of (1, P + N, H)
         for e in exit_layers:
             # position P - 1 + i predicts answer token i; hidden_states[e] is the input of layer e
-            tokens, conf, rank, prob, best = _head_drafts(engine, e, states, ids, slice(p - 1, p - 1 + n),
-                                                          seq.answer)
+            tokens, conf, rank, prob, best, copying = _head_drafts(engine, e, states, ids,
+                                                                   slice(p - 1, p - 1 + n), seq.answer)
             out[e].agree.append((tokens.cpu() == seq.answer.cpu()).tolist())
             out[e].conf.append(conf.cpu().tolist())
             out[e].rank.append(rank.cpu().tolist())
             out[e].prob.append(prob.cpu().tolist())
             out[e].top.append(best.cpu().tolist())
+            if copying is not None:
+                out[e].copying.append(copying.cpu().tolist())
     return out
 
 
@@ -245,17 +258,30 @@ class Counts:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def _draft_block(agree, conf, start: int, k: int, rule: ConfidenceRule, eos: list[bool]) -> tuple[int, int, int]:
-    """One step of the early-exit drafter from answer token `start`: (passes, drafted, accepted)."""
+def _draft_block(agree, conf, start: int, k: int, rule: ConfidenceRule, eos: list[bool], copy_k: int = 0,
+                 copying: list[bool] | None = None) -> tuple[int, int, int]:
+    """One step of the early-exit chain from answer token `start`, with the loop's draft-length rule
+    (draft_length.chain_may_draft; past k up to copy_k while drafts copy, given `copying`): (passes, drafted,
+    accepted).
+
+    Up to the first wrong draft the chain's text is the answer's, so the teacher-forced values are the drafter's.
+    After it they are estimates, as for the confidences: the text then ends in the wrong draft, and a chain goes
+    on copying after it only if that draft was itself a copy (its source text goes on; the next candidates come
+    from there), while after a wrong free draft no match of two tokens is left to copy from."""
     passes = drafted = 0
     confidence = 1.0
-    for j in range(k):
+    off_path_copies = None  # after the first wrong draft: whether the drafts go on copying
+    for j in range(max(k, copy_k) if copying else k):
         passes += 1
-        confidence = rule.confidence(confidence, conf[start + j])
-        if not rule.confident(confidence):
+        i = start + j
+        confidence = rule.confidence(confidence, conf[i])
+        copies_here = bool(copying) and (copying[i] if off_path_copies is None else off_path_copies)
+        if not chain_may_draft(j, k, rule.confident(confidence), copies_here):
             break
         drafted += 1
-        if eos[start + j]:
+        if off_path_copies is None and not agree[i]:
+            off_path_copies = copies_here
+        if eos[i]:
             break
     return passes, drafted, accepted_drafts(agree[start : start + drafted])
 
@@ -268,16 +294,19 @@ def _max_new(answer_len: int, is_eos: list[bool], max_new_tokens: int | None) ->
 
 
 def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold: float | ConfidenceRule,
-             max_new_tokens: int | None = None) -> Counts:
-    """Replay the engine's greedy loop (replay.replay_greedy: its draft budget and acceptance rule) over the
+             max_new_tokens: int | None = None, copy_draft_tokens: int = 0) -> Counts:
+    """Replay the engine's greedy loop (replay.replay_greedy: its draft budgets and acceptance rule) over the
     teacher-forced agreement of one exit layer, for answers generated with `max_new_tokens`. A threshold alone
-    judges each draft by its own top probability (ConfidenceRule(threshold))."""
+    judges each draft by its own top probability (ConfidenceRule(threshold)). With copy_draft_tokens, chains of a
+    copy head run past K while they copy (acc.copying)."""
     rule = threshold if isinstance(threshold, ConfidenceRule) else ConfidenceRule(threshold)
     c = Counts()
-    for agree, conf, is_eos in zip(acc.agree, acc.conf, eos):
+    copy_draft_tokens = copy_draft_tokens if acc.copying else 0  # a head that cannot copy never runs past K
+    for s, (agree, conf, is_eos) in enumerate(zip(acc.agree, acc.conf, eos)):
+        copying = acc.copying[s] if copy_draft_tokens else None
 
-        def step(done: int, k: int) -> int:
-            passes, drafted, accepted = _draft_block(agree, conf, done, k, rule, is_eos)
+        def step(done: int, k: int, copy_k: int) -> int:
+            passes, drafted, accepted = _draft_block(agree, conf, done, k, rule, is_eos, copy_k, copying)
             hidden_kept = min(passes, drafted + 1)
             c.fresh_early += (drafted + 1) - hidden_kept
             c.verify_width[drafted + 1] = c.verify_width.get(drafted + 1, 0) + 1
@@ -289,7 +318,7 @@ def simulate(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, threshold:
         n = len(agree)
         c.new_tokens += n
         c.prefills += 1
-        c.steps += replay_greedy(n, _max_new(n, is_eos, max_new_tokens), k_max, step) - 1
+        c.steps += replay_greedy(n, _max_new(n, is_eos, max_new_tokens), k_max, step, copy_draft_tokens) - 1
     return c
 
 
@@ -363,7 +392,7 @@ def simulate_tree(acc: LayerAcceptance, eos: list[list[bool]], k_max: int, top_k
     for s, (rank, prob, is_eos) in enumerate(zip(acc.rank, acc.prob, eos)):
         top = _top_of(acc, s)
 
-        def step(done: int, k: int) -> int:
+        def step(done: int, k: int, _copy_k: int) -> int:  # trees: no runs past K
             widths, nodes, accepted = _tree_block(top, rank, prob, done, k, top_k, size, threshold, is_eos)
             for w in widths:
                 c.draft_width[w] = c.draft_width.get(w, 0) + 1
@@ -401,13 +430,14 @@ def predict_seconds(counts: Counts, timings: Timings, exit_layer: int) -> float:
 
 
 def predict(acc: LayerAcceptance, eos: list[list[bool]], timings: Timings, k_max: int, rule: ConfidenceRule,
-            max_new_tokens: int | None = None, tree: tuple[int, int] | None = None) -> Prediction:
+            max_new_tokens: int | None = None, tree: tuple[int, int] | None = None,
+            copy_draft_tokens: int = 0) -> Prediction:
     """tree: (top_k, size) of draft trees; None or top_k 1 for chains (a tree's threshold is on path
-    probabilities whatever the rule says of chains)."""
+    probabilities whatever the rule says of chains); copy_draft_tokens: how far chains run while they copy."""
     if tree is not None and tree[0] > 1:
         counts = simulate_tree(acc, eos, k_max, tree[0], tree[1], rule.threshold, max_new_tokens)
     else:
-        counts = simulate(acc, eos, k_max, rule, max_new_tokens)
+        counts = simulate(acc, eos, k_max, rule, max_new_tokens, copy_draft_tokens)
     seconds = predict_seconds(counts, timings, acc.exit_layer)
     return Prediction(counts.new_tokens / seconds if seconds > 0 else 0.0, seconds,
                       counts.mean_accepted_tokens, counts.acceptance_rate)
@@ -447,7 +477,7 @@ def simulate_ngram(sequences: list[Sequence], proposals: list[list[torch.Tensor]
     for seq, props, is_eos in zip(sequences, proposals, eos):
         answer, n = seq.answer.cpu(), seq.answer.numel()
 
-        def step(done: int, k: int) -> int:
+        def step(done: int, k: int, _copy_k: int) -> int:
             draft = props[done - 1][:k]
             accepted = accepted_drafts((draft == answer[done : done + draft.numel()]).tolist())
             c.verify_width[draft.numel() + 1] = c.verify_width.get(draft.numel() + 1, 0) + 1

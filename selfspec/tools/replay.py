@@ -5,8 +5,9 @@ instead of running it, and both count it with this loop, so that neither restate
 The rules, as decoding.py applies them to a greedy row whose output is known in advance (the plain model's
 answer: greedy speculative decoding emits exactly it):
   * prefill emits answer token 0 (one verify step);
-  * each later step drafts at most `draft_budget(K, tokens the row may still emit)`, and never past the
-    answer's end (after an EOS the drafter stops; past a cut answer nothing is known);
+  * each later step drafts at most `draft_budget(K, tokens the row may still emit)`, and a chain that copies at
+    most `copy_budget(K_copy, ...)` (draft_length.py), never past the answer's end (after an EOS the drafter
+    stops; past a cut answer nothing is known);
   * greedy verification accepts drafts up to the first that differs from the verifier's token
     (`accepted_drafts`, sampling.accepted_prefix for one row), and the step emits them plus one token of the
     verifier's own.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..decoding import draft_budget
+from ..draft_length import copy_budget, draft_budget
 
 
 def accepted_drafts(matches: Sequence[bool]) -> int:
@@ -26,15 +27,18 @@ def accepted_drafts(matches: Sequence[bool]) -> int:
 
 
 def replay_greedy(answer_len: int, max_new_tokens: int, max_draft_tokens: int,
-                  step: Callable[[int, int], int]) -> int:
+                  step: Callable[[int, int, int], int], copy_draft_tokens: int = 0) -> int:
     """Verify steps (prefill included) of greedy decoding over an answer of `answer_len` tokens generated with
-    `max_new_tokens`. `step(done, k)` drafts up to k tokens for answer positions done, done + 1, ... (done tokens
-    are emitted so far; the pending one is done - 1) and returns how many of them the verifier accepts."""
+    `max_new_tokens`. `step(done, k, copy_k)` drafts up to k tokens (a chain that copies: up to copy_k >= k) for
+    answer positions done, done + 1, ... (done tokens are emitted so far; the pending one is done - 1) and returns
+    how many of them the verifier accepts."""
     steps, done = 1, 1  # the prefill emits answer token 0
     while done < answer_len:
-        k = min(draft_budget(max_draft_tokens, max_new_tokens - done), answer_len - done)
-        accepted = step(done, k)
-        if not 0 <= accepted <= k:
-            raise ValueError(f"a replayed step accepted {accepted} of at most {k} drafts.")
+        remaining = max_new_tokens - done
+        k = min(draft_budget(max_draft_tokens, remaining), answer_len - done)
+        copy_k = min(copy_budget(copy_draft_tokens, k, remaining), answer_len - done)
+        accepted = step(done, k, copy_k)
+        if not 0 <= accepted <= copy_k:
+            raise ValueError(f"a replayed step accepted {accepted} of at most {copy_k} drafts.")
         steps, done = steps + 1, done + accepted + 1
     return steps

@@ -121,7 +121,7 @@ def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new:
         TopChain(head, adapter, states, text) if head.reads_top else None
     hits = None if rounds else (first_drafts(head, adapter, states, p, n, text=text)[:, 0] == answer).tolist()
 
-    def step(done: int, room: int) -> int:
+    def step(done: int, room: int, _copy_room: int) -> int:  # K drafts every step: no copy runs past it
         if rounds is None:
             return accepted_drafts(hits[done : done + room])
         return accepted_drafts((rounds.drafts(p + done - 1, room) == answer[done : done + room]).tolist()

@@ -54,7 +54,7 @@ class Predictor:
                                       run["max_draft_tokens"],
                                       ConfidenceRule(run["draft_confidence_threshold"],
                                                      run.get("draft_confidence_cumulative", False)),
-                                      self.max_new_tokens, tree)
+                                      self.max_new_tokens, tree, run.get("copy_draft_tokens", 0))
         if drafter == "ngram" and self.ngram.get("lookup_seconds") is not None:
             counts = cost_model.simulate_ngram(self.sequences, self._ngram_proposals(params["ngram_max"]), self.eos,
                                                params["max_draft_tokens"], self.max_new_tokens)
@@ -75,8 +75,11 @@ class Predictor:
                 for k in ks:
                     for thr in space.threshold_grid():
                         for top_k, size in (space.tree_shapes() if space.searches_trees else [(None, 0)]):
-                            for cumulative in (space.cumulative if (top_k or 1) == 1 else [None]):
-                                self.predict(_early_params(e, k, thr, top_k, size, cumulative))
+                            chain = (top_k or 1) == 1
+                            copy_ks = space.copy_draft_tokens if chain and space.copy_draft_tokens != [0] else [None]
+                            for cumulative in (space.cumulative if chain else [None]):
+                                for copy_k in copy_ks:
+                                    self.predict(_early_params(e, k, thr, top_k, size, cumulative, copy_k))
         if "ngram" in space.drafters:
             for k in ks:
                 for n in space.ngram_max:
@@ -109,9 +112,9 @@ class Predictor:
 
 
 def _early_params(exit_layer: int, k: int, threshold: float, top_k: int | None = None, size: int = 0,
-                  cumulative: bool | None = None) -> dict:
+                  cumulative: bool | None = None, copy_k: int | None = None) -> dict:
     """The params `suggest` gives an early-exit trial: tree keys only when the space searches trees, the chain's
-    confidence rule only for chains."""
+    confidence rule only for chains, and their copy runs only when the space searches them."""
     params = {"drafter": "early_exit", "exit_layer": exit_layer, "max_draft_tokens": k,
               "draft_confidence_threshold": threshold}
     if top_k is not None:
@@ -120,6 +123,8 @@ def _early_params(exit_layer: int, k: int, threshold: float, top_k: int | None =
         params["draft_tree_size"] = size
     if cumulative is not None:
         params["draft_confidence_cumulative"] = cumulative
+    if copy_k is not None:
+        params["copy_draft_tokens"] = copy_k
     return params
 
 

@@ -31,6 +31,8 @@ class SpaceSpec:
     draft_confidence_threshold: object = field(default_factory=lambda: {"min": 0.0, "max": 0.9, "step": 0.1})
     # early_exit and hybrid chains: judge a draft by its own top probability (false) or the chain's path (true)
     draft_confidence_cumulative: object = field(default_factory=lambda: [False, True])
+    # early_exit chains of a copy head: how far past K a chain may run while it copies (0: never; [0] searches none)
+    copy_draft_tokens: object = field(default_factory=lambda: [0])
     drafter: object = field(default_factory=lambda: ["early_exit", "ngram", "hybrid"])
     ngram_max: object = field(default_factory=lambda: {"min": 2, "max": 5})
     hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
@@ -174,6 +176,7 @@ class SearchSpace:
     hybrid_fallback: list[bool] = field(default_factory=lambda: [False])
     hybrid_rematch: list[bool] = field(default_factory=lambda: [False])
     cumulative: list[bool] = field(default_factory=lambda: [False])  # draft_confidence_cumulative of chains
+    copy_draft_tokens: list[int] = field(default_factory=lambda: [0])  # of early_exit chains
     tree_top_k: list[int] = field(default_factory=lambda: [1])
     tree_sizes: list[int] = field(default_factory=lambda: [8])
 
@@ -250,6 +253,7 @@ def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], reg
         hybrid_fallback=fallback,
         hybrid_rematch=_bools(s.hybrid_rematch, "hybrid_rematch", src),
         cumulative=_bools(s.draft_confidence_cumulative, "draft_confidence_cumulative", src),
+        copy_draft_tokens=_int_range(s.copy_draft_tokens, "copy_draft_tokens", src, minimum=0),
         tree_top_k=_int_range(s.draft_tree_top_k, "draft_tree_top_k", src),
         tree_sizes=_int_range(s.draft_tree_size, "draft_tree_size", src, minimum=2))
 
@@ -307,6 +311,9 @@ def suggest(trial, space: SearchSpace) -> dict:
     if params["drafter"] in EXIT_DRAFTERS and params.get("draft_tree_top_k", 1) == 1:  # a tree's is on the path
         params["draft_confidence_cumulative"] = trial.suggest_categorical("draft_confidence_cumulative",
                                                                           space.cumulative)
+    chain = params["drafter"] == "early_exit" and params.get("draft_tree_top_k", 1) == 1
+    if chain and space.copy_draft_tokens != [0]:
+        params["copy_draft_tokens"] = trial.suggest_categorical("copy_draft_tokens", space.copy_draft_tokens)
     if params["drafter"] in NGRAM_DRAFTERS:
         params["ngram_max"] = _suggest_from(trial, "ngram_max", space.ngram_max)
     if params["drafter"] == "hybrid":
@@ -333,6 +340,8 @@ def effective_params(params: dict) -> dict:
     out = {k: round(v, 10) if isinstance(v, float) else v for k, v in params.items()}
     # trees are searched for early_exit only: every other trial is a chain, whatever the base config grows
     out.setdefault("draft_tree_top_k", 1)
+    if out.get("drafter") == "early_exit" and out["draft_tree_top_k"] == 1:  # runs past K only where searched
+        out.setdefault("copy_draft_tokens", 0)
     if out.get("draft_tree_top_k", 1) > 1 and out.get("draft_tree_size", 0) < out.get("max_draft_tokens", 0):
         out["draft_tree_size"] = out["max_draft_tokens"]
     return out
@@ -377,7 +386,7 @@ def in_space(params: dict, space: SearchSpace) -> bool:
     allowed = {"max_draft_tokens": space.max_draft_tokens, "ngram_max": space.ngram_max,
                "hybrid_min_match": space.hybrid_min_match, "hybrid_extend": space.hybrid_extend,
                "hybrid_fallback": space.hybrid_fallback, "hybrid_rematch": space.hybrid_rematch,
-               "draft_confidence_cumulative": space.cumulative,
+               "draft_confidence_cumulative": space.cumulative, "copy_draft_tokens": space.copy_draft_tokens,
                "draft_tree_top_k": space.tree_top_k,
                "draft_tree_size": space.tree_sizes}
     if params["drafter"] in EXIT_DRAFTERS:
@@ -396,11 +405,11 @@ def tree_key(params: dict) -> str:
 def describe(params: dict) -> str:
     parts = [params["drafter"]]
     for key, short in (("exit_layer", "E"), ("max_draft_tokens", "K"), ("draft_confidence_threshold", "thr"),
-                       ("draft_confidence_cumulative", "path"),
+                       ("draft_confidence_cumulative", "path"), ("copy_draft_tokens", "copy"),
                        ("draft_tree_top_k", "top_k"), ("draft_tree_size", "size"), ("ngram_max", "n"),
                        ("hybrid_min_match", "match"), ("hybrid_extend", "extend"),
                        ("hybrid_fallback", "fallback"), ("hybrid_rematch", "rematch")):
-        if key in params:
+        if key in params and not (key == "copy_draft_tokens" and not params[key]):  # no runs past K: unsaid
             value = params[key]
             parts.append(f"{short}={value:.2f}" if isinstance(value, float) else f"{short}={value}")
     return " ".join(parts)
