@@ -85,10 +85,10 @@ def test_copy_runs_in_a_padded_batch():
 @pytest.mark.parametrize("k,copy_k", [(1, 8), (2, 5)])
 def test_replay_counts_the_copy_runs_the_engine_drafts(k, copy_k):
     """cost_model.simulate with copy runs gives the engine's own steps and acceptances, which only the drafts up
-    to a step's first wrong one decide, and its drafted tokens: exactly with K=1 (past a wrong first draft a run
-    goes on only if it copied, which this head, always drafting a long match's candidate, makes exact), within
-    10 % with K=2, where a draft after a wrong one is the replay's estimate. The negative control, the replay
-    without copy runs, drafts fewer."""
+    to a step's first wrong one decide, and its drafted tokens, which past a wrong draft are the replay's estimate:
+    exactly with K=1 (a run goes on after a wrong copy while the answer copies, as on these looping texts this
+    head, which always drafts a long match's candidate, does), within 10 % with K=2. The negative control, the
+    replay without copy runs, drafts fewer."""
     model, ref = _wrapped(copy_k, k)
     prompts = [_looping_prompt(s).to(model.device) for s in ref]
     answers = [ref[s][0, p.shape[1]:] for s, p in zip(ref, prompts)]

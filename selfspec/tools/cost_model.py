@@ -265,22 +265,23 @@ def _draft_block(agree, conf, start: int, k: int, rule: ConfidenceRule, eos: lis
     accepted).
 
     Up to the first wrong draft the chain's text is the answer's, so the teacher-forced values are the drafter's.
-    After it they are estimates, as for the confidences: the text then ends in the wrong draft, and a chain goes
-    on copying after it only if that draft was itself a copy (its source text goes on; the next candidates come
-    from there), while after a wrong free draft no match of two tokens is left to copy from."""
+    After it they are estimates, as for the confidences. The text then ends in the wrong draft: after a wrong free
+    draft no match of two tokens is left to copy from, and after a wrong copy the chain follows the copy's source,
+    taken to go on copying where the answer does (on the eval split, float32, K=4 and runs to 16: 3.30 drafts a
+    step replayed, 3.12 measured; taking every run after a wrong copy to the end, 4.43)."""
     passes = drafted = 0
     confidence = 1.0
-    off_path_copies = None  # after the first wrong draft: whether the drafts go on copying
+    wrong_copied = None  # after the first wrong draft: whether it was a copy
     for j in range(max(k, copy_k) if copying else k):
         passes += 1
         i = start + j
         confidence = rule.confidence(confidence, conf[i])
-        copies_here = bool(copying) and (copying[i] if off_path_copies is None else off_path_copies)
+        copies_here = bool(copying) and copying[i] and wrong_copied is not False
         if not chain_may_draft(j, k, rule.confident(confidence), copies_here):
             break
         drafted += 1
-        if off_path_copies is None and not agree[i]:
-            off_path_copies = copies_here
+        if wrong_copied is None and not agree[i]:
+            wrong_copied = copies_here
         if eos[i]:
             break
     return passes, drafted, accepted_drafts(agree[start : start + drafted])
