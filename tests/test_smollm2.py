@@ -78,3 +78,22 @@ def test_greedy_identity_with_each_head_design(smollm2, prompts, design):
         selfspec.unwrap(model)
     assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
     assert stats.drafted_tokens > 0
+
+
+def test_greedy_identity_with_copy_runs(smollm2, prompts):
+    """The shipped copy head's chain running past K while it copies (copy_draft_tokens) keeps SmolLM2's greedy
+    output on a translation prompt, and some of its steps do draft past K."""
+    from selfspec.pretrained import shipped_dir
+
+    model, tok = smollm2
+    ids = prompts[0]
+    ref = model.generate(ids, max_new_tokens=64, do_sample=False)
+    k = 2
+    selfspec.wrap(model, shipped_dir("smollm2-135m"), drafter="early_exit", max_draft_tokens=k, copy_draft_tokens=16)
+    try:
+        out = model.generate(ids, max_new_tokens=64, do_sample=False)
+        stats = model.selfspec.last_stats
+    finally:
+        selfspec.unwrap(model)
+    assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+    assert stats.drafted_tokens > k * (stats.verify_steps - 1), stats
