@@ -71,13 +71,17 @@ def test_greedy_identity_with_each_head_design(smollm2, prompts, design):
             for p in head.layer.parameters():
                 p.mul_(1 + 0.05 * torch.randn_like(p))
         model.selfspec.add_head(head)
-    try:
-        out = model.generate(ids, max_new_tokens=32, do_sample=False)
-        stats = model.selfspec.last_stats
-    finally:
-        selfspec.unwrap(model)
+    out, stats = _generate_then_unwrap(model, ids, 32)
     assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
     assert stats.drafted_tokens > 0
+
+
+def _generate_then_unwrap(model, ids, new_tokens: int):
+    """(output, stats) of a greedy generate with the wrapped model, which is unwrapped after, whatever happens."""
+    try:
+        return model.generate(ids, max_new_tokens=new_tokens, do_sample=False), model.selfspec.last_stats
+    finally:
+        selfspec.unwrap(model)
 
 
 def test_greedy_identity_with_copy_runs(smollm2, prompts):
@@ -90,10 +94,6 @@ def test_greedy_identity_with_copy_runs(smollm2, prompts):
     ref = model.generate(ids, max_new_tokens=64, do_sample=False)
     k = 2
     selfspec.wrap(model, shipped_dir("smollm2-135m"), drafter="early_exit", max_draft_tokens=k, copy_draft_tokens=16)
-    try:
-        out = model.generate(ids, max_new_tokens=64, do_sample=False)
-        stats = model.selfspec.last_stats
-    finally:
-        selfspec.unwrap(model)
+    out, stats = _generate_then_unwrap(model, ids, 64)
     assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
     assert stats.drafted_tokens > k * (stats.verify_steps - 1), stats
