@@ -388,17 +388,26 @@ def draft_logits(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, voc
     return draft_scores(head, adapter, normed, vocab_size, token, match).full()
 
 
-def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, text: torch.Tensor,
-                               rows: slice) -> torch.Tensor:
-    """(N, V) full-vocabulary draft logits of a copy head at `rows` of one text (1, T) from HF's hidden states of
-    it, each row a step's first draft: the candidates looked up in the text up to the row, as the drafter does."""
+def teacher_forced_candidates(head: ExitHead, text: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token (N,), match (N,)) a copy head's candidates at `rows` of one text (1, T), each looked up in the text up
+    to its row, as the drafter does (-1 and 0 where none), on the text's device."""
     from .drafters.ngram import prefix_copy_candidates
 
+    found = prefix_copy_candidates(text[0, : rows.stop].tolist(), head.copy_max)
+    token, match = (torch.tensor(c)[rows].to(text.device) for c in found)
+    return token, match
+
+
+def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, text: torch.Tensor,
+                               rows: slice, candidates: tuple | None = None) -> torch.Tensor:
+    """(N, V) full-vocabulary draft logits of a copy head at `rows` of one text (1, T) from HF's hidden states of
+    it, each row a step's first draft, with the candidates looked up in the text up to the row, as the drafter
+    does (`candidates`: teacher_forced_candidates' own, when the caller has them already)."""
     prev = previous_top(states[-1])[:, rows] if head.reads_top else None
     normed = head.normed(states[head.exit_layer][:, rows], adapter, prev)  # (1, N, H)
-    token, match = (torch.tensor(c)[rows].to(normed.device)[None]
-                    for c in prefix_copy_candidates(text[0, : rows.stop].tolist(), head.copy_max))
-    return draft_logits(head, adapter, normed, adapter.vocab_size, token, match)[0]
+    token, match = candidates or teacher_forced_candidates(head, text, rows)
+    return draft_logits(head, adapter, normed, adapter.vocab_size, token[None].to(normed.device),
+                        match[None].to(normed.device))[0]
 
 
 def previous_top(top: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,8 @@ from ..cache import SlotTable, SpecCache
 from ..drafters.base import ConfidenceRule
 from ..draft_length import chain_may_draft, copies
 from ..drafters.early_exit import EarlyExitDrafter
-from ..drafters.ngram import prefix_copy_candidates
 from ..forward import StepContext, forward_early, forward_prompt
-from ..heads import teacher_forced_copy_logits, teacher_forced_logits
+from ..heads import teacher_forced_candidates, teacher_forced_copy_logits, teacher_forced_logits
 from .measure import fastest
 from .replay import accepted_drafts, replay_greedy
 
@@ -91,8 +90,9 @@ def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice
     each layer's output, the last one final-normed) are given; answer (N,) holds the tokens the full model emitted
     there."""
     head = engine.head_for(exit_layer)
+    candidates = teacher_forced_candidates(head, ids, rows) if head.copy_max else None
     if head.copy_max:  # its candidates come from the text; its logits cover the full vocabulary
-        logits, vocab_ids = teacher_forced_copy_logits(head, states, engine.adapter, ids, rows), None
+        logits, vocab_ids = teacher_forced_copy_logits(head, states, engine.adapter, ids, rows, candidates), None
     else:
         logits, vocab_ids = teacher_forced_logits(head, states, engine.adapter, rows).float(), head.vocab_ids
     probs = logits.softmax(-1)  # (N, V_draft), or (N, V)
@@ -106,11 +106,7 @@ def _head_drafts(engine, exit_layer: int, states, ids: torch.Tensor, rows: slice
     p_answer = probs.gather(1, column.clamp(min=0)[:, None])
     rank = (probs > p_answer).sum(-1).masked_fill(column < 0, probs.shape[-1])
     drafts = idx if vocab_ids is None else head.token_ids(idx)
-    copying = None
-    if head.copy_max:
-        candidate, match = (torch.tensor(c[rows], device=drafts.device)
-                            for c in prefix_copy_candidates(ids[0, : rows.stop].tolist(), head.copy_max))
-        copying = copies(drafts, candidate, match)
+    copying = None if candidates is None else copies(drafts, *(c.to(drafts.device) for c in candidates))
     return drafts, conf, rank, p_answer[:, 0].masked_fill(column < 0, 0.0), best, copying
 
 
@@ -267,8 +263,8 @@ def _draft_block(agree, conf, start: int, k: int, rule: ConfidenceRule, eos: lis
     Up to the first wrong draft the chain's text is the answer's, so the teacher-forced values are the drafter's.
     After it they are estimates, as for the confidences. The text then ends in the wrong draft: after a wrong free
     draft no match of two tokens is left to copy from, and after a wrong copy the chain follows the copy's source,
-    taken to go on copying where the answer does (on the eval split, float32, K=4 and runs to 16: 3.30 drafts a
-    step replayed, 3.12 measured; taking every run after a wrong copy to the end, 4.43)."""
+    taken to go on copying where the answer does (on the eval split, float32, K=4 and runs to 16: 3.27 drafts a
+    step replayed, 3.12 measured; taking every run after a wrong copy to the end, as 33453f6 did, 4.40)."""
     passes = drafted = 0
     confidence = 1.0
     wrong_copied = None  # after the first wrong draft: whether it was a copy
