@@ -16,11 +16,11 @@ GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
 K = 1
 
 
-def _copy_head(hidden_size: int, dtype, trust: float = 8.0):
-    """An MLP copy head at layer 1 that drafts its copy candidate whenever the match is 2+ tokens long (`trust`
+def _copy_head(hidden_size: int, dtype, trust: float = 8.0, exit_layer: int = 1):
+    """An MLP copy head at `exit_layer` that drafts its copy candidate whenever the match is 2+ tokens long (`trust`
     added to the candidate's logit there), else the plain exit's choice."""
     torch.manual_seed(3)
-    head = MLPHead(1, hidden_size, 2 * hidden_size, copy_max=3)
+    head = MLPHead(exit_layer, hidden_size, 2 * hidden_size, copy_max=3)
     with torch.no_grad():
         torch.nn.init.normal_(head.down.weight, std=0.02)
         head.copy_bias.copy_(torch.tensor([0.0, 0.0, trust, trust]))

@@ -151,6 +151,8 @@ CASES = {
     "early_exit": dict(drafter="early_exit", exit_layer=EXIT, max_draft_tokens=4),
     "hybrid": dict(drafter="hybrid", exit_layer=EXIT, max_draft_tokens=4, hybrid_min_match=1),
     "ngram": dict(drafter="ngram", exit_layer=EXIT, max_draft_tokens=4),
+    # a copy head's chain running past K=1 while it copies (test_copy_runs): the KV of drafts past K is kept too
+    "copy-runs": dict(drafter="early_exit", exit_layer=EXIT, max_draft_tokens=1, copy_draft_tokens=6),
 }
 
 
@@ -178,6 +180,10 @@ def _checked_generate(case: str, eos: bool = True):
         gen["eos_token_id"] = int(free[1, ids.shape[1] + 6])  # row 1 stops after 7 tokens (others maybe too)
     ref = model.generate(ids, attention_mask=mask, **gen)
     selfspec.wrap(model, **CASES[case])
+    if CASES[case].get("copy_draft_tokens"):
+        from test_copy_runs import _copy_head
+
+        model.selfspec.add_head(_copy_head(model.config.hidden_size, model.dtype, exit_layer=EXIT))
     try:
         drafter = model.selfspec.drafter_override = build_drafter(model.selfspec)
         checker = CacheInvariant(model, drafter)
@@ -194,6 +200,8 @@ def test_real_loop_keeps_exactly_the_verified_prefix(case):
     assert checker.steps > 0 and checker.rows > checker.steps  # several rows checked per step
     assert stats.accepted_tokens > 0 and stats.acceptance_rate < 1  # drafts accepted and rejected: holes were made
     assert (out[:, -1] == 0).any()  # a row finished early, so finished rows were in the batch too
+    if CASES[case].get("copy_draft_tokens"):  # chains did run past K (more drafts a row-step than K)
+        assert stats.drafted_tokens > CASES[case]["max_draft_tokens"] * (stats.verify_steps - out.shape[0]), stats
 
 
 def _keep_one_more_slot(monkeypatch):
