@@ -95,16 +95,24 @@ class SelfSpecEngine:
                 f"{num_layers - 1} (layers [0, exit_layer) draft, the rest verify).")
         return exit_layer
 
-    def copy_draft_tokens(self, drafter: Drafter) -> int:
+    def copy_draft_tokens(self, drafter: Drafter, trees: bool) -> int:
         """How far this call's chains may run while they copy (draft_length.copy_budget): the config's, for a drafter
-        whose chains copy (`runs_copies`); 0 for every other, so that no other drafter's chain passes K."""
-        wanted = self.config.copy_draft_tokens
-        if getattr(drafter, "runs_copies", False):
-            return wanted
-        if wanted > self.config.max_draft_tokens and isinstance(drafter, EarlyExitDrafter):
+        whose chains copy (`runs_copies`) when it drafts chains; 0 for every other, so that no other draft passes K.
+        A config that asks for runs where none can be made says so (a head without a copy lookup: an error; another
+        drafter, or trees: once, as a warning), rather than drafting at most K in silence."""
+        wanted, k = self.config.copy_draft_tokens, self.config.max_draft_tokens
+        if wanted <= k or type(drafter) is Drafter:  # no run past K asked, or nothing drafted at all
+            return 0
+        runs_copies = getattr(drafter, "runs_copies", False)
+        if not runs_copies and isinstance(drafter, EarlyExitDrafter):
             raise ValueError(f"copy_draft_tokens={wanted} lets a chain run past K while its head copies, but the "
                              f"head at layer {drafter.exit_layer} has no copy lookup: use heads trained with "
                              f"copy_max > 0, or set copy_draft_tokens=0.")
+        if runs_copies and not trees:
+            return wanted
+        what = "draft trees" if trees else f"the {getattr(drafter, 'name', type(drafter).__name__)!r} drafter"
+        warn_once(f"selfspec: copy_draft_tokens={wanted} lets the early-exit chains of a copy head run past K; "
+                  f"{what} draft at most max_draft_tokens={k}.", stacklevel=4)
         return 0
 
     def tree_settings(self, drafter: Drafter, settings: DecodeSettings) -> dict:
@@ -141,9 +149,10 @@ class SelfSpecEngine:
             drafter = self.build_drafter()
         finally:
             self._call_tokenizers = (None, None)
+        trees = self.tree_settings(drafter, settings)
         settings = dataclasses.replace(settings, max_draft_tokens=self.config.max_draft_tokens,
-                                       copy_draft_tokens=self.copy_draft_tokens(drafter),
-                                       exit_layer=self.split_layer(drafter), **self.tree_settings(drafter, settings))
+                                       copy_draft_tokens=self.copy_draft_tokens(drafter, bool(trees)),
+                                       exit_layer=self.split_layer(drafter), **trees)
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)

@@ -115,6 +115,23 @@ def test_a_head_that_cannot_copy_is_refused():
         model.generate(_looping_prompt(0).to(model.device), **GEN)
 
 
+@pytest.mark.parametrize("where", ["hybrid", "tree", "ngram"])
+def test_runs_asked_where_none_are_made_are_named(where):
+    """The hybrid, the n-gram drafter and draft trees draft at most K: a config asking them for runs past K says so
+    once, rather than dropping the knob in silence; the output stays plain generate's."""
+    import selfspec.hf
+
+    model, ref = _wrapped(8, k=2)
+    cfg = {"hybrid": dict(drafter="hybrid"), "ngram": dict(drafter="ngram"),
+           "tree": dict(draft_tree_top_k=2, draft_tree_size=4)}[where]
+    model.selfspec.config = model.selfspec.config.replace(**cfg)
+    selfspec.hf._warned.clear()
+    ids = _looping_prompt(0).to(model.device)
+    with pytest.warns(UserWarning, match=r"copy_draft_tokens=8 lets the early-exit chains .* at most max_draft_tok"):
+        out = model.generate(ids, **GEN)
+    assert torch.equal(out, ref[0])
+
+
 @pytest.mark.parametrize("bad", [-1, 2.5, "8"])
 def test_copy_draft_tokens_must_be_a_count(bad):
     with pytest.raises(ValueError, match="copy_draft_tokens must be an integer >= 0"):
