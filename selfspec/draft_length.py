@@ -8,7 +8,9 @@ Two budgets a step:
   * copy_budget(K_copy, k, tokens left) >= k: how far a chain may run past k while it copies. Text that copies
     (a translation quoting names, a summary quoting its source, code edited in place) runs long and is drafted
     right far more often than free text, so one K cannot suit both; the chain's first k drafts are judged by its
-    confidence rule, and each further one only by whether it copies (`copies`, `chain_may_draft`).
+    confidence rule, and each further one only by whether it copies (`copies`, `chain_may_draft`). A prompt-lookup
+    continuation copies by the same measure, its match: the hybrid drafts one of 2+ tokens to copy_k
+    (`lookup_budget`).
 """
 from __future__ import annotations
 
@@ -38,3 +40,9 @@ def chain_may_draft(j: int, k: int, confident, copying):
     confidence rule judges it (`confident`), one past them only if it copies (`copying`); copy_budget bounds j.
     Tensors (per row) or bools."""
     return confident if j < k else copying
+
+
+def lookup_budget(k: int, copy_k: int, match):
+    """How many tokens of a prompt-lookup continuation a row may draft, given its match length `match` ((B,) tensor
+    or int): copy_k where the match is long enough to count as a copy, else k (copy_k = copy_budget >= k)."""
+    return (match >= COPY_MIN_MATCH) * (copy_k - k) + k

@@ -111,8 +111,8 @@ class SelfSpecEngine:
         if runs_copies and not trees:
             return wanted
         what = "draft trees" if trees else f"the {getattr(drafter, 'name', type(drafter).__name__)!r} drafter"
-        warn_once(f"selfspec: copy_draft_tokens={wanted} lets the early-exit chains of a copy head run past K; "
-                  f"{what} draft at most max_draft_tokens={k}.", stacklevel=4)
+        warn_once(f"selfspec: copy_draft_tokens={wanted} lets the chains of a copy head and of the hybrid run past "
+                  f"K while they copy; {what} draft at most max_draft_tokens={k}.", stacklevel=4)
         return 0
 
     def tree_settings(self, drafter: Drafter, settings: DecodeSettings) -> dict:

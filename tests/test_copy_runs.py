@@ -8,7 +8,7 @@ import torch
 
 import selfspec
 from conftest import make_model
-from selfspec.draft_length import chain_may_draft, copy_budget, draft_budget
+from selfspec.draft_length import chain_may_draft, copy_budget, draft_budget, lookup_budget
 from selfspec.heads import MLPHead
 from selfspec.tools import cost_model
 
@@ -50,6 +50,8 @@ def test_the_budgets():
     assert copy_budget(0, 4, 100) == 4 and copy_budget(2, 4, 100) == 4  # never below k
     assert chain_may_draft(3, 4, True, False) and not chain_may_draft(3, 4, False, True)
     assert chain_may_draft(4, 4, False, True) and not chain_may_draft(4, 4, True, False)
+    assert [lookup_budget(4, 16, m) for m in (0, 1, 2, 5)] == [4, 4, 16, 16]  # a lookup copies from 2 tokens on
+    assert lookup_budget(4, 16, torch.tensor([1, 2])).tolist() == [4, 16]
 
 
 def test_copy_runs_pass_k_and_keep_the_output():
@@ -115,21 +117,85 @@ def test_a_head_that_cannot_copy_is_refused():
         model.generate(_looping_prompt(0).to(model.device), **GEN)
 
 
-@pytest.mark.parametrize("where", ["hybrid", "tree", "ngram"])
+@pytest.mark.parametrize("where", ["hybrid-tree", "tree", "ngram"])
 def test_runs_asked_where_none_are_made_are_named(where):
-    """The hybrid, the n-gram drafter and draft trees draft at most K: a config asking them for runs past K says so
-    once, rather than dropping the knob in silence; the output stays plain generate's."""
+    """The n-gram drafter and draft trees (the hybrid's too) draft at most K: a config asking them for runs past K
+    says so once, rather than dropping the knob in silence; the output stays plain generate's."""
     import selfspec.hf
 
     model, ref = _wrapped(8, k=2)
-    cfg = {"hybrid": dict(drafter="hybrid"), "ngram": dict(drafter="ngram"),
-           "tree": dict(draft_tree_top_k=2, draft_tree_size=4)}[where]
+    tree = dict(draft_tree_top_k=2, draft_tree_size=4)
+    cfg = {"hybrid-tree": dict(drafter="hybrid", **tree), "ngram": dict(drafter="ngram"), "tree": tree}[where]
     model.selfspec.config = model.selfspec.config.replace(**cfg)
     selfspec.hf._warned.clear()
     ids = _looping_prompt(0).to(model.device)
-    with pytest.warns(UserWarning, match=r"copy_draft_tokens=8 lets the early-exit chains .* at most max_draft_tok"):
+    with pytest.warns(UserWarning, match=r"copy_draft_tokens=8 lets the chains .* at most max_draft_tok"):
         out = model.generate(ids, **GEN)
     assert torch.equal(out, ref[0])
+
+
+# --- the hybrid: its lookup continuations of 2+ token matches are copies, and run to copy_draft_tokens ------------
+HYBRIDS = {  # K=1: every draft past the first is a run
+    "extend": dict(hybrid_min_match=2, hybrid_extend=True, hybrid_fallback=True, draft_confidence_threshold=0.2),
+    "rematch": dict(hybrid_min_match=3, ngram_max=3, hybrid_extend=False, hybrid_rematch=True),
+}
+
+
+def _hybrid_drafts(model, ids, mask, copy_k: int, cfg: dict):
+    """Generate with the hybrid at K=1 and runs to copy_k; returns (output, drafter, [(k, lookup, draft) per step]):
+    each step's lookup (NgramProposal for copy_k drafts, taken before the drafter proposed) and its draft."""
+    from selfspec.drafters import build_drafter
+
+    selfspec.wrap(model, drafter="hybrid", exit_layer=1, max_draft_tokens=K, copy_draft_tokens=copy_k, **cfg)
+    try:
+        drafter = model.selfspec.drafter_override = build_drafter(model.selfspec)
+        seen, propose = [], drafter.propose
+
+        def spy(state, k):
+            if k == 0:  # the last token: nothing drafted
+                return propose(state, k)
+            found = drafter.ngram.lookup(state, max(k, state.copy_k))
+            draft = propose(state, k)
+            seen.append((k, found, draft))
+            return draft
+
+        drafter.propose = spy
+        out = model.generate(ids, attention_mask=mask, **GEN)
+        return out, drafter, seen
+    finally:
+        selfspec.unwrap(model)
+
+
+def _looping_batch():
+    rows = [_looping_prompt(s, period=4 + s, length=12 + 3 * s)[0] for s in range(3)]
+    width = max(r.numel() for r in rows)
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("how", sorted(HYBRIDS))
+def test_hybrid_runs_copies_past_k(how):
+    """A padded batch through the hybrid with runs to 8: output identical to plain greedy generate, steps that draft
+    past K=1, and every draft past K a lookup's copy (a match of 2+ tokens; without rematch, the step's own lookup
+    continuation), never the head's; without the knob (the control) no draft passes K."""
+    model = make_model("llama", 4)
+    ids, mask = (t.to(model.device) for t in _looping_batch())
+    ref = model.generate(ids, attention_mask=mask, **GEN)
+    for copy_k in (8, 0):
+        out, drafter, seen = _hybrid_drafts(model, ids, mask, copy_k, HYBRIDS[how])
+        assert torch.equal(out, ref), (how, copy_k)
+        longest = max(int(d.draft_len.max()) for _, _, d in seen)
+        assert (longest > K) == bool(copy_k), (how, copy_k, longest)
+        for k, found, draft in seen:
+            for b in (draft.draft_len > k).nonzero()[:, 0].tolist():
+                n = int(draft.draft_len[b])
+                if how == "extend":  # at the step's start: the row's whole draft is its lookup's copy
+                    assert int(found.match[b]) >= 2 and int(found.length[b]) >= n, (b, found, draft)
+                    assert torch.equal(draft.tokens[b, :n], found.tokens[b, :n])
+        if how == "rematch":  # at K=1 only runs let a head's first draft be followed by a lookup's
+            assert (drafter.steps["rematched"] > 0) == bool(copy_k), (copy_k, drafter.steps)
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "8"])

@@ -437,6 +437,9 @@ SAMPLING_CASES = {
     # proposed there must not depend on the sampled token's own value
     "copy-head-run": dict(drafter="early_exit", exit_layer=1, max_draft_tokens=1, copy_draft_tokens=2,
                           head="mlp-copy"),
+    # the hybrid's runs past K=1: a lookup's copy (a match of 2+ tokens) at the step's start and after a head draft
+    "hybrid-run": dict(drafter="hybrid", exit_layer=1, max_draft_tokens=1, copy_draft_tokens=3, ngram_max=2,
+                       hybrid_min_match=2, hybrid_rematch=True),
 }
 
 

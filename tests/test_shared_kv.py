@@ -153,6 +153,9 @@ CASES = {
     "ngram": dict(drafter="ngram", exit_layer=EXIT, max_draft_tokens=4),
     # a copy head's chain running past K=1 while it copies (test_copy_runs): the KV of drafts past K is kept too
     "copy-runs": dict(drafter="early_exit", exit_layer=EXIT, max_draft_tokens=1, copy_draft_tokens=6),
+    # the hybrid's lookups of 2+ token matches running past K=1, beside head drafts in the same steps
+    "hybrid-runs": dict(drafter="hybrid", exit_layer=EXIT, max_draft_tokens=1, copy_draft_tokens=6,
+                        hybrid_min_match=2),
 }
 
 
@@ -180,7 +183,7 @@ def _checked_generate(case: str, eos: bool = True):
         gen["eos_token_id"] = int(free[1, ids.shape[1] + 6])  # row 1 stops after 7 tokens (others maybe too)
     ref = model.generate(ids, attention_mask=mask, **gen)
     selfspec.wrap(model, **CASES[case])
-    if CASES[case].get("copy_draft_tokens"):
+    if CASES[case].get("copy_draft_tokens") and CASES[case]["drafter"] == "early_exit":
         from test_copy_runs import _copy_head
 
         model.selfspec.add_head(_copy_head(model.config.hidden_size, model.dtype, exit_layer=EXIT))

@@ -9,6 +9,11 @@ there a short match is right more often than an unsure head). With `rematch` (ch
 head's drafts so far comes to end in a strong match (the head drafted the first tokens of a copy) takes the rest of
 that match's continuation by lookup, as a point-mass draft, and stops asking the head.
 
+Runs past K (config.copy_draft_tokens, chains): a lookup continuation of a match of 2+ tokens is a copy
+(draft_length.lookup_budget), so it may run to the step's copy budget, at the step's start and after a rematch; the
+head drafts at most K, and a shorter match's continuation too. Whether a row runs depends on its text alone, never on
+a sampled token, so rejection sampling stays exact.
+
 Why the early-exit pass runs over the n-gram tokens too
 -------------------------------------------------------
 `Draft.hidden` holds the layer-E states of the first m verify inputs for *every* row, and the early-exit pass
@@ -40,6 +45,7 @@ from collections import Counter
 
 import torch
 
+from ..draft_length import lookup_budget
 from ..trees import merge_branches, pack_trees
 from .base import ConfidenceRule, Draft, Drafter, choose_draft
 from .early_exit import EarlyExitDrafter
@@ -51,6 +57,7 @@ class HybridDrafter(Drafter):
     name = "hybrid"
     uses_early_layers = True
     drafts_trees = True  # with trees: the head's tree and the n-gram branches together (see _tree)
+    runs_copies = True  # its chains' lookup continuations of 2+ token matches run past K (draft_length)
 
     def __init__(self, early: EarlyExitDrafter, ngram: NgramDrafter, min_match: int = 2, extend: bool = True,
                  fallback: bool = False, rematch: bool = False):
@@ -74,9 +81,11 @@ class HybridDrafter(Drafter):
             return Draft.empty(state.batch, state.device)
         if state.settings.tree_top_k > 1:
             return self._tree(state, k)
-        found = self.ngram.lookup(state, k)
+        most = max(k, state.copy_k)  # a copy may run to copy_k (copy_budget)
+        found = self.ngram.lookup(state, most)
         strong = self._strong(found)
-        forced_len = found.length.masked_fill(~strong, 0)  # (B,) n-gram tokens each row takes
+        length = torch.minimum(found.length, lookup_budget(k, most, found.match))  # (B,) what a row may take
+        forced_len = length.masked_fill(~strong, 0)  # (B,) n-gram tokens each row takes
         last = found.tokens.gather(1, (forced_len - 1).clamp(min=0)[:, None])[:, 0]
         ends_in_eos = (forced_len > 0) & state.is_eos(last)
         extending = rows_needing_head(~state.finished, strong, forced_len, ends_in_eos, k, self.extend)
@@ -84,18 +93,18 @@ class HybridDrafter(Drafter):
             self.steps["ngram"] += 1
             return _ngram_draft(state, found.tokens, forced_len)
         self.steps["mixed" if bool(strong.any()) else "early_exit"] += 1
-        weak_len = found.length.masked_fill(strong, 0) if self.fallback else torch.zeros_like(forced_len)
-        return self._forced_early_exit(state, found.tokens.clone(), forced_len, extending, weak_len)
+        weak_len = length.masked_fill(strong, 0) if self.fallback else torch.zeros_like(forced_len)
+        return self._forced_early_exit(state, found.tokens.clone(), forced_len, extending, weak_len, k)
 
-    def _forced_early_exit(self, state, tokens, forced_len, extending, weak_len) -> Draft:
-        """Early-exit drafting in which each row's first forced_len tokens are given (tokens (B, k)).
+    def _forced_early_exit(self, state, tokens, forced_len, extending, weak_len, k: int) -> Draft:
+        """Early-exit drafting in which each row's first forced_len tokens are given (tokens (B, most), most >= k:
+        a copy runs to most, the head drafts within the first k).
 
         Input column c of the verify step is the pending token (c = 0) or draft token c - 1. Each round feeds the
         columns every extending row already knows, [fed, end), through layers [0, E); the rows whose first free
         draft column is end - 1 then take the head's proposal there if it is confident enough. A row whose head
         declines its first draft takes its weak_len (B,) n-gram tokens instead (0: none); `tokens` already holds
         them, and no round has fed those columns yet, so whatever is fed later is the draft verified."""
-        k = tokens.shape[1]
         state.write_drafts(tokens)  # the n-gram prefixes (later columns are overwritten as rows extend)
         draft_len = forced_len.clone()
         hiddens, head_q = [], []  # head_q: (column, rows that took the head's token, (B, V) probs)
@@ -121,7 +130,7 @@ class HybridDrafter(Drafter):
             if col == 0:  # rows without a forced prefix: an unsure head hands the row to its weak match
                 draft_len = torch.where(proposing & ~take, weak_len, draft_len)
             ends = take & state.is_eos(token)  # nothing is drafted after an EOS
-            ran = self._rematched(state, tokens, draft_len, take & ~ends, col)
+            ran = self._rematched(state, tokens, draft_len, take & ~ends, col, k)
             extending = extending & ~(proposing & ~take) & ~ends & ~ran & (draft_len < k)
         width = int(draft_len.max())
         q = _mixed_q(tokens[:, :width], head_q, state.vocab_size) if state.do_sample else None
@@ -133,19 +142,22 @@ class HybridDrafter(Drafter):
         rule by which a chain row takes the lookup's tokens, at the step's start and (rematch) after a head draft."""
         return (found.match >= self.min_match) & (found.length > 0)
 
-    def _rematched(self, state, tokens, draft_len, took, col: int) -> torch.Tensor:
+    def _rematched(self, state, tokens, draft_len, took, col: int, k: int) -> torch.Tensor:
         """With `rematch`: the rows among `took` (B,) (they just drafted the head's token at column `col`) whose text
         with their drafts through `col` now ends in a strong match take its continuation in the columns after, in
-        place in `tokens` (B, k) and `draft_len` (B,), as the lookup's point-mass drafts. Returns those rows (B,)."""
-        k = tokens.shape[1]
-        if not self.rematch or col + 1 >= k or not bool(took.any()):
+        place in `tokens` (B, most) and `draft_len` (B,), as the lookup's point-mass drafts: to column k, or to
+        column most where the match is a copy (lookup_budget). Returns those rows (B,)."""
+        most = tokens.shape[1]
+        if not self.rematch or col + 1 >= most or not bool(took.any()):
             return torch.zeros_like(took)
-        found = self.ngram.lookup(state, k - col - 1, drafted=col + 1)
+        found = self.ngram.lookup(state, most - col - 1, drafted=col + 1)
         ran = took & self._strong(found)
+        length = torch.minimum(found.length, lookup_budget(k, most, found.match) - col - 1).clamp(min=0)
+        ran = ran & (length > 0)
         if bool(ran.any()):
             tokens[:, col + 1:] = torch.where(ran[:, None], found.tokens, tokens[:, col + 1:])
             state.write_drafts(tokens[:, col + 1:], start=col + 1)
-            draft_len += torch.where(ran, found.length, 0)
+            draft_len += torch.where(ran, length, 0)
             self.steps["rematched"] += 1
         return ran
 

@@ -606,7 +606,7 @@ def engine_settings(config: SelfSpecConfig) -> str:
             parts.append(f"threshold {config.draft_confidence_threshold:g}{path}")
     if config.draft_tree_top_k > 1:
         parts.append(f"trees of top-{config.draft_tree_top_k}, {config.draft_tree_size} nodes")
-    elif config.drafter == "early_exit" and config.copy_draft_tokens > config.max_draft_tokens:
+    elif config.drafter in ("early_exit", "hybrid") and config.copy_draft_tokens > config.max_draft_tokens:
         parts.append(f"runs to {config.copy_draft_tokens} while copying")
     if config.drafter in ("ngram", "hybrid"):
         parts.append(f"n-gram {config.ngram_min}..{config.ngram_max}")

@@ -17,6 +17,7 @@ EXIT_DRAFTERS = ("early_exit", "hybrid")  # drafters that run layers [0, E) + th
 # drafters whose tree shapes the study searches (ngram trees draft without a head: measured slower, left out)
 TREE_DRAFTERS = ("early_exit", "hybrid")
 NGRAM_DRAFTERS = ("ngram", "hybrid")
+RUN_DRAFTERS = ("early_exit", "hybrid")  # drafters whose chains may run past K while they copy (runs_copies)
 # the shipped search specifications, package data (installed with the wheel): <model>.yaml and default.yaml
 SEARCH_SPACES = Path(__file__).resolve().parent / "search_spaces"
 
@@ -31,7 +32,8 @@ class SpaceSpec:
     draft_confidence_threshold: object = field(default_factory=lambda: {"min": 0.0, "max": 0.9, "step": 0.1})
     # early_exit and hybrid chains: judge a draft by its own top probability (false) or the chain's path (true)
     draft_confidence_cumulative: object = field(default_factory=lambda: [False, True])
-    # early_exit chains of a copy head: how far past K a chain may run while it copies (0: never; [0] searches none)
+    # chains of a copy head and of the hybrid: how far past K a chain may run while it copies (0: never; [0]
+    # searches none)
     copy_draft_tokens: object = field(default_factory=lambda: [0])
     drafter: object = field(default_factory=lambda: ["early_exit", "ngram", "hybrid"])
     ngram_max: object = field(default_factory=lambda: {"min": 2, "max": 5})
@@ -176,7 +178,7 @@ class SearchSpace:
     hybrid_fallback: list[bool] = field(default_factory=lambda: [False])
     hybrid_rematch: list[bool] = field(default_factory=lambda: [False])
     cumulative: list[bool] = field(default_factory=lambda: [False])  # draft_confidence_cumulative of chains
-    copy_draft_tokens: list[int] = field(default_factory=lambda: [0])  # of early_exit chains
+    copy_draft_tokens: list[int] = field(default_factory=lambda: [0])  # of early_exit and hybrid chains
     tree_top_k: list[int] = field(default_factory=lambda: [1])
     tree_sizes: list[int] = field(default_factory=lambda: [8])
 
@@ -311,7 +313,7 @@ def suggest(trial, space: SearchSpace) -> dict:
     if params["drafter"] in EXIT_DRAFTERS and params.get("draft_tree_top_k", 1) == 1:  # a tree's is on the path
         params["draft_confidence_cumulative"] = trial.suggest_categorical("draft_confidence_cumulative",
                                                                           space.cumulative)
-    chain = params["drafter"] == "early_exit" and params.get("draft_tree_top_k", 1) == 1
+    chain = params["drafter"] in RUN_DRAFTERS and params.get("draft_tree_top_k", 1) == 1
     if chain and space.copy_draft_tokens != [0]:
         params["copy_draft_tokens"] = trial.suggest_categorical("copy_draft_tokens", space.copy_draft_tokens)
     if params["drafter"] in NGRAM_DRAFTERS:
@@ -340,7 +342,7 @@ def effective_params(params: dict) -> dict:
     out = {k: round(v, 10) if isinstance(v, float) else v for k, v in params.items()}
     # trees are searched for early_exit only: every other trial is a chain, whatever the base config grows
     out.setdefault("draft_tree_top_k", 1)
-    if out.get("drafter") == "early_exit" and out["draft_tree_top_k"] == 1:  # runs past K only where searched
+    if out.get("drafter") in RUN_DRAFTERS and out["draft_tree_top_k"] == 1:  # runs past K only where searched
         out.setdefault("copy_draft_tokens", 0)
     if out.get("draft_tree_top_k", 1) > 1 and out.get("draft_tree_size", 0) < out.get("max_draft_tokens", 0):
         out["draft_tree_size"] = out["max_draft_tokens"]
