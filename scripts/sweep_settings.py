@@ -8,9 +8,10 @@
     OMP_NUM_THREADS=1 python scripts/sweep_settings.py --threads 1 --mt-bench-turns 1 2 --new-tokens 64 SETTINGS
 
 Each argument is a JSON object of SelfSpecConfig fields laid over the heads' config (the shipped one by default).
-Greedy; acceptance and drafted tokens a step (a tree's nodes) are what `generate` reports, so they do not depend
-on load. The settings take turns prompt by prompt (each prompt runs under every setting before the next prompt),
-so that load drifting on a shared machine hits them alike and their tokens/s compare side by side; still a quick
+Greedy; acceptance and drafted tokens a step (a tree's nodes) are what `generate` reports, and head passes a step
+(the drafter's runs through layers [0, E) and its head) are counted here, so none of them depends on load. The
+settings take turns prompt by prompt (each prompt runs under every setting before the next prompt), so that load
+drifting on a shared machine hits them alike and their tokens/s compare side by side; still a quick
 look at a trade-off, not a benchmark (`selfspec bench` also times plain `generate` and judges every output).
 
 With --mt-bench-turns the prompts are the calibration's instead (one MT-bench question per category, each turn
@@ -49,23 +50,42 @@ class Tally:
     tokens: int = 0
     steps: int = 0
     drafted: int = 0
+    passes: int = 0
     seconds: float = 0.0
 
-    def add(self, stats, seconds: float) -> None:
+    def add(self, stats, passes: int, seconds: float) -> None:
         self.tokens, self.steps = self.tokens + stats.new_tokens, self.steps + stats.verify_steps
         self.drafted, self.seconds = self.drafted + stats.drafted_tokens, self.seconds + seconds
+        self.passes += passes
 
     def line(self) -> str:
-        """mean accepted tokens per verify step, drafted tokens (tree nodes) per step, tokens/s"""
+        """mean accepted tokens per verify step, drafted tokens (tree nodes) and head passes per step, tokens/s"""
         return (f"mean accepted {self.tokens / self.steps:.3f}  drafted {self.drafted / self.steps:5.2f}  "
-                f"tok/s {self.tokens / self.seconds:6.2f}")
+                f"head passes {self.passes / self.steps:4.2f}  tok/s {self.tokens / self.seconds:6.2f}")
+
+
+HEAD_PASSES = [0]  # the drafter's runs through layers [0, E), counted by count_head_passes
+
+
+def count_head_passes() -> None:
+    """Count every run of the early-exit drafter (its own and the hybrid's) through layers [0, E): what a drafted
+    token costs, apart from the lookups, which cost no pass."""
+    import selfspec.drafters.early_exit as early_exit
+
+    forward_early = early_exit.forward_early
+
+    def counted(*args, **kwargs):
+        HEAD_PASSES[0] += 1
+        return forward_early(*args, **kwargs)
+
+    early_exit.forward_early = counted
 
 
 def run_prompt(model, batch, new_tokens: int, tally: Tally) -> None:
     """One greedy generate with the model's current config, added to `tally`."""
-    start = time.perf_counter()
+    passes, start = HEAD_PASSES[0], time.perf_counter()
     model.generate(batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=new_tokens, do_sample=False)
-    tally.add(model.selfspec.last_stats, time.perf_counter() - start)
+    tally.add(model.selfspec.last_stats, HEAD_PASSES[0] - passes, time.perf_counter() - start)
 
 
 def run_plain(model, batch, new_tokens: int, tally: Tally) -> None:
@@ -100,6 +120,7 @@ def main(argv=None) -> None:
     from selfspec.prompts import load_prompts
     from selfspec.tools.bench import make_batches
 
+    count_head_passes()
     extra = {"heads": args.heads} if args.heads else {}
     model, tok = selfspec.load(args.model, dtype=getattr(torch, args.dtype), **extra)
     engine = model.selfspec
