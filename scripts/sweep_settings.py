@@ -14,6 +14,8 @@ settings take turns prompt by prompt (each prompt runs under every setting befor
 drifting on a shared machine hits them alike and their tokens/s compare side by side; still a quick
 look at a trade-off, not a benchmark (`selfspec bench` also times plain `generate` and judges every output).
 
+With --by-category each setting's counts also come per Spec-Bench category, as a markdown table.
+
 With --mt-bench-turns the prompts are the calibration's instead (one MT-bench question per category, each turn
 asked as `selfspec calibrate` asks it: measure.turns), plain `generate` takes its turn beside the settings, and
 each turn gets its own lines with speeds relative to plain.
@@ -40,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--answer-tokens", type=int, default=128, help="with --mt-bench-turns: the first answer's length")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--by-category", action="store_true",
+                   help="also print each setting's counts per Spec-Bench category (where the drafts pay)")
     return p.parse_args(argv)
 
 
@@ -57,6 +61,10 @@ class Tally:
         self.tokens, self.steps = self.tokens + stats.new_tokens, self.steps + stats.verify_steps
         self.drafted, self.seconds = self.drafted + stats.drafted_tokens, self.seconds + seconds
         self.passes += passes
+
+    def counts(self) -> str:
+        """tokens / drafts / head passes a step, for the per-category table"""
+        return f"{self.tokens / self.steps:.2f} / {self.drafted / self.steps:.2f} / {self.passes / self.steps:.2f}"
 
     def line(self) -> str:
         """mean accepted tokens per verify step, drafted tokens (tree nodes) and head passes per step, tokens/s"""
@@ -81,11 +89,13 @@ def count_head_passes() -> None:
     early_exit.forward_early = counted
 
 
-def run_prompt(model, batch, new_tokens: int, tally: Tally) -> None:
-    """One greedy generate with the model's current config, added to `tally`."""
+def run_prompt(model, batch, new_tokens: int, tallies: tuple) -> None:
+    """One greedy generate with the model's current config, added to each of `tallies` (overall, category)."""
     passes, start = HEAD_PASSES[0], time.perf_counter()
     model.generate(batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=new_tokens, do_sample=False)
-    tally.add(model.selfspec.last_stats, HEAD_PASSES[0] - passes, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    for tally in tallies:
+        tally.add(model.selfspec.last_stats, HEAD_PASSES[0] - passes, seconds)
 
 
 def run_plain(model, batch, new_tokens: int, tally: Tally) -> None:
@@ -96,6 +106,15 @@ def run_plain(model, batch, new_tokens: int, tally: Tally) -> None:
     start = time.perf_counter()
     tally.tokens += generate_once(model, batch.input_ids, new_tokens, plain=True).numel()
     tally.seconds += time.perf_counter() - start
+
+
+def print_categories(by_category: dict, settings: int) -> None:
+    """A markdown table: a row per category, a column per setting (in the order given), tokens / drafts / head
+    passes a step in each cell."""
+    print("| category | " + " | ".join(f"setting {i + 1}" for i in range(settings)) + " |")
+    print("|---" * (settings + 1) + "|")
+    for category, tallies in by_category.items():
+        print(f"| {category} | " + " | ".join(t.counts() for t in tallies) + " |")
 
 
 def mt_bench_batches(model, tok, turns: list[int], answer_tokens: int) -> dict[int, list]:
@@ -136,17 +155,21 @@ def main(argv=None) -> None:
     configs = [dataclasses.replace(base, **s).validate(engine.adapter.num_layers) for s in args.settings]
     for name, batches in sets.items():
         plain, tallies = Tally(), [Tally() for _ in configs]
+        by_category = {}  # category -> one Tally per setting
         for batch in batches:
             if args.mt_bench_turns:
                 run_plain(model, batch, args.new_tokens, plain)
-            for config, tally in zip(configs, tallies):
+            mine = by_category.setdefault(batch.category, [Tally() for _ in configs])
+            for config, tally, part in zip(configs, tallies, mine):
                 engine.config = config
-                run_prompt(model, batch, args.new_tokens, tally)
+                run_prompt(model, batch, args.new_tokens, (tally, part))
         if args.mt_bench_turns:
             print(f"{name}: plain generate {plain.tokens / plain.seconds:.2f} tok/s")
         for setting, tally in zip(args.settings, tallies):
             ratio = f"  {tally.tokens / tally.seconds / (plain.tokens / plain.seconds):.2f}x" if plain.seconds else ""
             print(f"{tally.line()}{ratio}  {json.dumps(setting)}")
+        if args.by_category:
+            print_categories(by_category, len(configs))
 
 
 if __name__ == "__main__":
