@@ -181,10 +181,31 @@ def compare_line(model, ids, mask, gen: dict, rounds: int, seed: int = 0) -> str
             f"({rate['selfspec'] / rate['plain']:.2f}x); {rounds} run{'s' if rounds > 1 else ''} each, interleaved, "
             "same prompt and settings")
     if not gen.get("do_sample"):
-        same = all(a.shape == b.shape and bool((a == b).all())
-                   for a, b in zip(t["plain"]["outputs"], t["selfspec"]["outputs"]))
-        line += "; greedy outputs " + ("identical" if same else "DIFFER (near-ties in this dtype; see README)")
+        line += "; greedy outputs " + greedy_verdict(model, ids, t["plain"]["outputs"], t["selfspec"]["outputs"],
+                                                     gen["max_new_tokens"])
     return line
+
+
+def greedy_verdict(model, ids, plain: list, spec: list, max_new: int) -> str:
+    """'identical', or the verdict (selfspec/tools/verdict.py) on the first round whose outputs part: a near-tie
+    that half-precision rounding between pass shapes can flip, or a difference no rounding explains (a bug).
+    ids (1, T); each output (1, T + new)."""
+    from .tools.calibrate.trials import pad_id_of
+    from .tools.verdict import DIFFERS, PlainLogits, judge, verify_chunk
+
+    prompt, n = ids[0].tolist(), ids.shape[1]
+    logits = PlainLogits(model, {"pad_token_id": pad_id_of(model)})
+    for want, got in zip(plain, spec):
+        v = judge(model, logits, prompt, got[0, n:].tolist(), want[0, n:].tolist(), max_new,
+                  chunk=verify_chunk(model.selfspec.config))
+        if v is None:
+            continue
+        if v.kind == DIFFERS:
+            why = "one output ended early" if v.gap is None else f"gap {v.gap:.3f} > 2 x rounding {v.discrepancy:.3f}"
+            return f"DIFFER at new token {v.index} ({why}): not a near-tie, a bug; please report it with this command"
+        return (f"part at new token {v.index}, a near-tie of this dtype (gap {v.gap:.3f} <= 2 x rounding "
+                f"{v.discrepancy:.3f}; see README, Precision)")
+    return "identical"
 
 
 if __name__ == "__main__":

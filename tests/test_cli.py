@@ -3,6 +3,7 @@ Fast tests run on a tiny local Llama directory; the `slow` ones on the embedded 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -327,7 +328,11 @@ def test_generate_with_packed_weights_compares_identical(smollm2):
     out = run("generate", "--threads", "1", "--dtype", "bfloat16", "--pack-weights", "--max-new-tokens", "8",
               "--compare", "--rounds", "1", "Name a prime number.")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "bfloat16, packed weights" in out.stderr and "greedy outputs identical" in out.stderr
+    # bf16 greedy output may part from plain generate where rounding between pass shapes flips a near-tie (on an
+    # AMX Xeon this prompt does); the CLI judges it, and anything but identical or a near-tie is a bug
+    assert "bfloat16, packed weights" in out.stderr
+    assert re.search(r"greedy outputs (identical|part at new token \d+, a near-tie of this dtype)", out.stderr), \
+        out.stderr[-800:]
     dense = run("generate", "--threads", "1", "--dtype", "bfloat16", "--no-pack-weights", "--max-new-tokens", "2",
                 "Hi")
     assert dense.returncode == 0 and "bfloat16" in dense.stderr and "packed" not in dense.stderr

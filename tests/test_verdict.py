@@ -80,3 +80,35 @@ def test_bf16_near_tie_is_near_tie_and_a_planted_bug_differs(bf16_smollm2, monke
     verdict = judge(*judge_args, buggy, plain, new)
     assert verdict is not None and verdict.kind == DIFFERS, verdict
     assert verdict.gap > 2 * verdict.discrepancy
+
+
+def test_verify_chunk_counts_runs_past_k():
+    """The widest verify pass a config runs: a chain of K, a run past K while it copies, or a tree's nodes, plus the
+    verifier's own token (a near-tie is judged against that pass shape's rounding)."""
+    from selfspec.config import SelfSpecConfig
+    from selfspec.tools.verdict import verify_chunk
+
+    assert verify_chunk(SelfSpecConfig(max_draft_tokens=4)) == 5
+    assert verify_chunk(SelfSpecConfig(max_draft_tokens=4, copy_draft_tokens=8)) == 9
+    assert verify_chunk(SelfSpecConfig(max_draft_tokens=4, draft_tree_top_k=4, draft_tree_size=14)) == 15
+
+
+def test_the_cli_comparison_judges_what_differs():
+    """`selfspec generate --compare` judges a greedy difference instead of excusing it: plain generate's own output
+    is identical, and the same output with one token planted wrong (float64, where no rounding explains it) DIFFERS
+    at that token."""
+    from conftest import make_model, prompt
+    from selfspec.generate_cli import greedy_verdict
+    from transformers import GenerationMixin
+
+    model = make_model("llama", 4)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=3)
+    ids = prompt(7)
+    plain = GenerationMixin.generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                     do_sample=False)
+    assert greedy_verdict(model, ids, [plain], [model.generate(ids, max_new_tokens=8)], 8) == "identical"
+    planted = plain.clone()
+    planted[0, ids.shape[1] + 3] = (planted[0, ids.shape[1] + 3] + 1) % model.config.vocab_size
+    verdict = greedy_verdict(model, ids, [plain], [planted], 8)
+    assert verdict.startswith("DIFFER at new token 3") and "a bug" in verdict, verdict
+    selfspec.unwrap(model)

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..draft_length import copy_budget
+
 IDENTICAL, NEAR_TIE, DIFFERS = "identical", "near-tie", "differs"
 
 
@@ -96,10 +98,11 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 
 
 def verify_chunk(config) -> int:
-    """Most tokens one verify pass of a SelfSpecConfig runs (the pending token plus a chain of K or a tree's
-    nodes): the pass shape whose rounding a half-precision near-tie is judged against."""
-    nodes = config.draft_tree_size if config.draft_tree_top_k > 1 else config.max_draft_tokens
-    return max(nodes, config.max_draft_tokens) + 1
+    """Most tokens one verify pass of a SelfSpecConfig runs (the pending token plus a chain of K, or of a run past K
+    while it copies, or a tree's nodes): the pass shape whose rounding a half-precision near-tie is judged against."""
+    chain = copy_budget(config.copy_draft_tokens, config.max_draft_tokens, remaining=config.copy_draft_tokens + 2)
+    nodes = config.draft_tree_size if config.draft_tree_top_k > 1 else chain
+    return max(nodes, chain) + 1
 
 
 def judge(model, plain: PlainLogits, prompt: list[int], got: list[int], want: list[int], max_new: int,
