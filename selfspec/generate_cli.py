@@ -195,17 +195,26 @@ def greedy_verdict(model, ids, plain: list, spec: list, max_new: int) -> str:
 
     prompt, n = ids[0].tolist(), ids.shape[1]
     logits = PlainLogits(model, {"pad_token_id": pad_id_of(model)})
+    chunk = verify_chunk(model.selfspec.config)
     for want, got in zip(plain, spec):
-        v = judge(model, logits, prompt, got[0, n:].tolist(), want[0, n:].tolist(), max_new,
-                  chunk=verify_chunk(model.selfspec.config))
+        v = judge(model, logits, prompt, got[0, n:].tolist(), want[0, n:].tolist(), max_new, chunk=chunk)
         if v is None:
             continue
         if v.kind == DIFFERS:
-            why = "one output ended early" if v.gap is None else f"gap {v.gap:.3f} > 2 x rounding {v.discrepancy:.3f}"
-            return f"DIFFER at new token {v.index} ({why}): not a near-tie, a bug; please report it with this command"
+            return f"DIFFER at new token {v.index} ({differs_why(v)}): not a near-tie, a bug; please report it with " \
+                   "this command"
         return (f"part at new token {v.index}, a near-tie of this dtype (gap {v.gap:.3f} <= 2 x rounding "
                 f"{v.discrepancy:.3f}; see README, Precision)")
     return "identical"
+
+
+def differs_why(v) -> str:
+    """Why a DIFFERS verdict is one (verdict.judge's three cases)."""
+    if v.expected is None or v.got is None:
+        return "one output ended where the other went on"
+    if v.gap is None:
+        return "plain generate's own logits there choose another token: it does not reproduce itself"
+    return f"gap {v.gap:.3f} > 2 x rounding {v.discrepancy:.3f}"
 
 
 if __name__ == "__main__":

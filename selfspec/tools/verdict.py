@@ -16,6 +16,7 @@ The multi-token passes are one pass over the whole prefix and a cached prefix fo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -100,7 +101,7 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 def verify_chunk(config) -> int:
     """Most tokens one verify pass of a SelfSpecConfig runs (the pending token plus a chain of K, or of a run past K
     while it copies, or a tree's nodes): the pass shape whose rounding a half-precision near-tie is judged against."""
-    chain = copy_budget(config.copy_draft_tokens, config.max_draft_tokens, remaining=config.copy_draft_tokens + 2)
+    chain = copy_budget(config.copy_draft_tokens, config.max_draft_tokens, remaining=math.inf)  # no step cut short
     nodes = config.draft_tree_size if config.draft_tree_top_k > 1 else chain
     return max(nodes, chain) + 1
 
