@@ -96,7 +96,7 @@ def test_verify_chunk_counts_runs_past_k():
 def test_the_cli_comparison_judges_what_differs():
     """`selfspec generate --compare` judges a greedy difference instead of excusing it: plain generate's own output
     is identical, and the same output with one token planted wrong (float64, where no rounding explains it) DIFFERS
-    at that token."""
+    at that token, with the reason that applies."""
     from conftest import make_model, prompt
     from selfspec.generate_cli import greedy_verdict
     from transformers import GenerationMixin
@@ -111,4 +111,9 @@ def test_the_cli_comparison_judges_what_differs():
     planted[0, ids.shape[1] + 3] = (planted[0, ids.shape[1] + 3] + 1) % model.config.vocab_size
     verdict = greedy_verdict(model, ids, [plain], [planted], 8)
     assert verdict.startswith("DIFFER at new token 3") and "a bug" in verdict, verdict
+    assert "gap" in verdict, verdict
+    # each DIFFER names its own reason: the planted output as plain's (which plain does not reproduce), and an
+    # output cut short
+    assert "does not reproduce itself" in greedy_verdict(model, ids, [planted], [plain], 8)
+    assert "ended where the other went on" in greedy_verdict(model, ids, [plain], [plain[:, :-2]], 8)
     selfspec.unwrap(model)
