@@ -201,20 +201,10 @@ def greedy_verdict(model, ids, plain: list, spec: list, max_new: int) -> str:
         if v is None:
             continue
         if v.kind == DIFFERS:
-            return f"DIFFER at new token {v.index} ({differs_why(v)}): not a near-tie, a bug; please report it with " \
+            return f"DIFFER at new token {v.index} ({v.why()}): not a near-tie, a bug; please report it with " \
                    "this command"
-        return (f"part at new token {v.index}, a near-tie of this dtype (gap {v.gap:.3f} <= 2 x rounding "
-                f"{v.discrepancy:.3f}; see README, Precision)")
+        return f"part at new token {v.index}, a near-tie of this dtype ({v.why()}; see README, Precision)"
     return "identical"
-
-
-def differs_why(v) -> str:
-    """Why a DIFFERS verdict is one (verdict.judge's three cases)."""
-    if v.expected is None or v.got is None:
-        return "one output ended where the other went on"
-    if v.gap is None:
-        return "plain generate's own logits there choose another token: it does not reproduce itself"
-    return f"gap {v.gap:.3f} > 2 x rounding {v.discrepancy:.3f}"
 
 
 if __name__ == "__main__":

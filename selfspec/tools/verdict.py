@@ -39,6 +39,16 @@ class Verdict:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def why(self) -> str:
+        """Why the verdict is what it is, in judge's terms: one of its two DIFFERS without a gap, or the gap
+        against the rounding."""
+        if self.expected is None or self.got is None:
+            return "one output ended where the other went on"
+        if self.gap is None:
+            return "plain generate's own logits there choose another token: it does not reproduce itself"
+        sign = "<=" if self.kind == NEAR_TIE else ">"
+        return f"gap {self.gap:.3f} {sign} 2 x rounding {self.discrepancy:.3f}"
+
 
 def logit_gap(logits: torch.Tensor, a: int, b: int) -> float:
     """(V,) logits -> logits[a] - logits[b] in float32."""
