@@ -47,7 +47,7 @@ elif [ "$STAGE" = model ]; then
     cat /tmp/part1 .dev2/part2 | python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(
         sys.stdin.buffer.read()))" > "$gguf"
     echo "$(cat .dev2/gguf.sha256)  $gguf" | sha256sum -c - >> "$RES/env.txt" 2>&1 || { cat "$RES/env.txt"; exit 1; }
-    phase passcost 40 python3 scripts/measure_pass_cost.py --device "$DEVICE" --dtypes bfloat16 float32 \
+    phase passcost 40 python3 -m selfspec.tools.pass_cost --device "$DEVICE" --dtypes bfloat16 float32 \
         --tokens 1 5 9 17 33 65
     phase bf16 230 python3 -m selfspec.cli bench --device "$DEVICE" --dtype bfloat16 --limit 1 \
         --methods hf-greedy hf-prompt-lookup selfspec selfspec-tree selfspec-ngram selfspec-hybrid \

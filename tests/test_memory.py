@@ -1,20 +1,16 @@
-"""Memory of a wrapped generate against plain generate on a long prompt (issue: no worse than plain, and given
-back after the call). Each mode runs in a fresh process through scripts/measure_memory.py, since peak RSS is per
+"""Memory of a wrapped generate against plain generate on a long prompt: no worse than plain, and given back after
+the call. Each mode runs in a fresh process through `python -m selfspec.tools.memory`, since peak RSS is per
 process."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measure_memory.py"
-
-
 def _measure(mode: str, tokens: int = 4000) -> dict:
-    cmd = [sys.executable, str(SCRIPT), "--mode", mode, "--prompt-tokens", str(tokens), "--new-tokens", "16",
+    cmd = [sys.executable, "-m", "selfspec.tools.memory", "--mode", mode, "--prompt-tokens", str(tokens), "--new-tokens", "16",
            "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
     return json.loads(out.strip().splitlines()[-1])

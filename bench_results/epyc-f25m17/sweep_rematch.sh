@@ -1,6 +1,0 @@
-S1='{"drafter": "ngram", "max_draft_tokens": 3, "ngram_max": 2, "draft_tree_top_k": 1}'
-S2='{"drafter": "hybrid", "exit_layer": 1, "max_draft_tokens": 4, "draft_confidence_threshold": 0.45, "draft_confidence_cumulative": false, "ngram_max": 4, "hybrid_min_match": 4, "hybrid_extend": true, "hybrid_fallback": true, "draft_tree_top_k": 1, "hybrid_rematch": false}'
-S3='{"drafter": "hybrid", "exit_layer": 1, "max_draft_tokens": 4, "draft_confidence_threshold": 0.45, "draft_confidence_cumulative": false, "ngram_max": 4, "hybrid_min_match": 4, "hybrid_extend": true, "hybrid_fallback": true, "draft_tree_top_k": 1, "hybrid_rematch": true}'
-S4='{"drafter": "hybrid", "exit_layer": 1, "max_draft_tokens": 6, "draft_confidence_threshold": 0.45, "draft_confidence_cumulative": false, "ngram_max": 4, "hybrid_min_match": 2, "hybrid_extend": false, "hybrid_fallback": true, "draft_tree_top_k": 1, "hybrid_rematch": true}'
-OMP_NUM_THREADS=1 python scripts/sweep_settings.py --threads 1 --limit 2 --new-tokens 96 --heads configs/calibrated/smollm2-135m-turns "$S1" "$S2" "$S3" "$S4"
-OMP_NUM_THREADS=1 python scripts/sweep_settings.py --threads 1 --mt-bench-turns 1 2 --new-tokens 64 --heads configs/calibrated/smollm2-135m-turns "$S1" "$S2" "$S3" "$S4"

@@ -1,5 +1,0 @@
-# session 26: the hybrid with runs past K (copy_draft_tokens), float32 on a Zen 3 (no bf16 units); counts matter, tok/s is float32's
-OMP_NUM_THREADS=1 python scripts/sweep_settings.py --threads 1 --limit 4 --new-tokens 128 --dtype float32 \
-  '{"drafter": "hybrid", "max_draft_tokens": 8, "draft_confidence_threshold": 0.95, "draft_confidence_cumulative": true, "hybrid_min_match": 2, "hybrid_extend": false, "hybrid_fallback": false, "hybrid_rematch": true, "ngram_max": 3}' '{"drafter": "hybrid", "max_draft_tokens": 8, "draft_confidence_threshold": 0.95, "draft_confidence_cumulative": true, "hybrid_min_match": 2, "hybrid_extend": false, "hybrid_fallback": false, "hybrid_rematch": true, "ngram_max": 3, "copy_draft_tokens": 16}' \
-  '{"drafter": "hybrid", "max_draft_tokens": 4, "hybrid_min_match": 2, "hybrid_extend": true, "hybrid_fallback": true, "hybrid_rematch": true, "ngram_max": 3}' '{"drafter": "hybrid", "max_draft_tokens": 4, "hybrid_min_match": 2, "hybrid_extend": true, "hybrid_fallback": true, "hybrid_rematch": true, "ngram_max": 3, "copy_draft_tokens": 16}' \
-  '{"drafter": "ngram", "max_draft_tokens": 8, "ngram_max": 3}'

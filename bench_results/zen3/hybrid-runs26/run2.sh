@@ -1,4 +1,0 @@
-# session 26, second sweep: head passes a step counted (scripts/sweep_settings.py), the head-led hybrid without runs, with runs to 8 and 16, the chain, n-grams
-OMP_NUM_THREADS=1 python scripts/sweep_settings.py --threads 1 --limit 4 --new-tokens 128 --dtype float32 \
-  '{"drafter": "hybrid", "max_draft_tokens": 4, "hybrid_min_match": 2, "hybrid_extend": true, "hybrid_fallback": true, "hybrid_rematch": true, "ngram_max": 3}' '{"drafter": "hybrid", "max_draft_tokens": 4, "hybrid_min_match": 2, "hybrid_extend": true, "hybrid_fallback": true, "hybrid_rematch": true, "ngram_max": 3, "copy_draft_tokens": 8}' '{"drafter": "hybrid", "max_draft_tokens": 4, "hybrid_min_match": 2, "hybrid_extend": true, "hybrid_fallback": true, "hybrid_rematch": true, "ngram_max": 3, "copy_draft_tokens": 16}' \
-  '{}' '{"drafter": "ngram", "max_draft_tokens": 8, "ngram_max": 3}'
