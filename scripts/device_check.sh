@@ -4,9 +4,8 @@
 # has its own time limit and log, so one that fails or runs long leaves the others' results (a bench stopped by
 # its limit writes the prompts every method finished).
 #
-# A call carries 64 MiB in all, and the SmolLM2 .gguf alone is 98 MB, so the repo travels without configs/ and
-# bench_results/ (`git rm -r --cached` them and list them in .git/info/exclude for the two calls, then
-# `git reset -q`), and the .gguf, xz-compressed (90 MB), travels in two parts:
+# A call carries 64 MiB in all, and the SmolLM2 .gguf alone is 98 MB, so the .gguf, xz-compressed (90 MB),
+# travels in two parts:
 #   .dev1: part1 (the first 38.4 MB) and the wheels the machine lacks (transformers 5.24.0, gguf)
 #   .dev2: part2 (the rest) and gguf.sha256
 #   call 1 (carry .dev1): bash scripts/device_check.sh tests    # installs, keeps part1 in /tmp, runs the tests

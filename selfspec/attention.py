@@ -4,13 +4,12 @@
         hidden = adapter.call_layer(...)
 
 Why: torch's CPU flash attention computes each (batch, head) pair on its own, with small gemms whose fixed cost
-dominates at decoding sizes, and a 1-token query takes a path slower still (on this project's AMD EPYC a 1-token
+dominates at decoding sizes, and a 1-token query takes a path slower still (on one AMD EPYC core a 1-token
 call over 600 cached tokens costs 735 us, a 2-token call 294 us). With grouped KV heads (SmolLM2: 9 query heads
 over 3 KV heads) the G query heads that share a KV head can instead be G x T rows of one query against that KV
 head: q (B, Hq, T, D) viewed as (B, Hkv, G * T, D), the mask repeated over the G groups. Same keys, same values,
 a third of the calls, never a 1-row call: 131 us for the 1-token call, 155 us for the 2-token one, and a whole
-1-token pass of SmolLM2 over 600 cached tokens in 44.2 ms against 62.6 ms (OMP_NUM_THREADS=1 python
-scripts/measure_attention.py --threads 1 --repeats 25, bench_results/epyc-f25m17/attention22.txt).
+1-token pass of SmolLM2 over 600 cached tokens in 44.2 ms against 62.6 ms (one thread, median of 25 calls).
 
 Bits: the fold is the same attention, exactly, but its sums run in other gemm calls (G * T rows instead of T), and
 torch's bf16 gemms round by row count: outputs move in the last bits, as a multi-token pass's already do against

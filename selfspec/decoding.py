@@ -257,7 +257,7 @@ def choose(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
 def lazy_processing(state: DecodeState) -> bool:
     """Whether verification processes the target's logits only where its verdict reads them (columns up to the
     first rejection, a tree's walked nodes) instead of all at once. On a CPU the processors' per-row cost decides:
-    top-p sorts the whole vocabulary, about 4 ms a row on one core (scripts/measure_processors.py), against a
+    top-p sorts the whole vocabulary, about 4 ms a row on one core, against a
     step of about 70 ms. On a GPU one batched call is cheaper than a host check per column."""
     return bool(state.settings.processors) and state.device.type == "cpu"
 

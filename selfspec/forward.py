@@ -52,7 +52,7 @@ def masked_gqa_in_sdpa(adapter: ArchAdapter, device: torch.device) -> contextlib
     of every layer to all query heads (repeat_kv) whenever a mask is given, which is every verify pass and tree,
     while a plain decoding step (no mask) skips the copy. On CPU the two give the same bits (tests/test_forward);
     over an 800-token cache a 3-token pass cost 1.41x a 1-token one with the copies and 1.12x without here
-    (scripts/measure_pass_cost.py --gqa-in-place). Not on CUDA, where a masked grouped call falls back to the
+    (python -m selfspec.tools.pass_cost --gqa-in-place). Not on CUDA, where a masked grouped call falls back to the
     math kernel; a value the user set is left as it is."""
     return gqa_in_sdpa() if device.type == "cpu" and adapter.attn_impl == "sdpa" else contextlib.nullcontext()
 

@@ -9,7 +9,7 @@ selfspec.load, `selfspec bench` and `selfspec calibrate` pack by default whereve
 A bfloat16 `nn.Linear` on CPU runs oneDNN's matmul, which reorders the whole weight into its blocked layout on
 every call: at one token per call that reorder is about a third of the call. Measured on one core of an Intel
 Xeon with AVX512-BF16: SmolLM2's 576 -> 1536 projection takes 165 us a call from the dense weight and 115 us
-prepacked (scripts/measure_gemm.py), a whole 1-token step 85 ms against 75 ms (scripts/measure_pass_cost.py). The
+prepacked, a whole 1-token step 85 ms against 75 ms (python -m selfspec.tools.pass_cost). The
 packed kernel gives the same bits as the dense call (checked per module when packing, below), so no output
 changes.
 

@@ -6,13 +6,13 @@
 
 Why: on one core of an Intel Xeon with AVX512-BF16, oneDNN's prepacked call takes 134 us for one row of SmolLM2's
 576 -> 1536 projection, about what it takes for three; this kernel streams the weight once through vdpbf16ps with
-every row's sums in registers and takes 51 us for one row (scripts/measure_gemm.py). A whole 1-token step of the
-model falls from 79.5 to 58.1 ms (scripts/measure_pass_cost.py). From two rows on the kernel sums either with
+every row's sums in registers and takes 51 us for one row. A whole 1-token step of the
+model falls from 79.5 to 58.1 ms (python -m selfspec.tools.pass_cost). From two rows on the kernel sums either with
 vdpbf16ps or with float32 FMAs over the widened weight, whichever a probe finds faster on the CPU (many_row_sums),
 and prefetches the weight, so that a verify pass's rows hide under the weight's arrival. On the Xeon FMAs won:
 SmolLM2's matmuls over 5 rows cost 1.09x their 1-row time, 9 rows 1.27x, and a whole 5-token pass 1.21x a 1-token
-one against 1.44x with vdpbf16ps alone (scripts/measure_pass_cost.py). On an AMD EPYC (Zen 5) vdpbf16ps wins:
-5 rows 1.16x, 9 rows 1.31x, against 1.34x and 1.62x with FMAs (scripts/measure_step_gemms.py).
+one against 1.44x with vdpbf16ps alone. On an AMD EPYC (Zen 5) vdpbf16ps wins:
+5 rows 1.16x, 9 rows 1.31x, against 1.34x and 1.62x with FMAs.
 
 Bits: the kernel (csrc/small_gemm.cpp) sums each output in float32 in the order oneDNN uses there (K in blocks
 of `k_block`, each block from zero, the block sums added in order) and rounds once. oneDNN's blocks differ
@@ -46,7 +46,7 @@ SUMS = ("dot", "fma")  # vdpbf16ps, or float32 FMAs over the widened weight: the
 PROBE_SUMS_ROUNDS = 7  # interleaved timing rounds of many_row_sums's probe, median kept
 PROBE_ROWS = 1024  # most random rows `fit` compares per call kind, fewer for wide weights (PROBE_OUTPUTS)
 # outputs compared per call kind: a near-right block (all of K = 576 where oneDNN sums 512 + 64) differs in only
-# 1-2 outputs of 115k (scripts/check_small_gemm_blocks.py), so half a million are compared
+# 1-2 outputs of 115k, so half a million are compared
 PROBE_OUTPUTS = 1 << 19
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "small_gemm.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
@@ -96,8 +96,8 @@ def kernel_ops():
 def many_row_sums() -> str:
     """How the kernel sums calls of 2..SMALL_ROWS rows in this process, one of SUMS: SELFSPEC_SMALL_GEMM_SUMS where
     set, else whichever a short probe times faster here. The bits are the same either way; the speed is not, and
-    differs by CPU: on this project's Xeon vdpbf16ps retires 36 G multiply-adds a second and float32 FMAs 81 G, on
-    its AMD EPYC (Zen 5) 208 G against 105 G (scripts/check_fma_vs_dpbf16.c, bench_results/zen5)."""
+    differs by CPU: on one core of an Intel Xeon vdpbf16ps retires 36 G multiply-adds a second and float32 FMAs
+    81 G, on an AMD EPYC (Zen 5) 208 G against 105 G."""
     chosen = os.environ.get("SELFSPEC_SMALL_GEMM_SUMS")
     if chosen is not None:
         if chosen not in SUMS:

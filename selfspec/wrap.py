@@ -189,7 +189,7 @@ def _resolve_config(config, overrides: dict) -> tuple[SelfSpecConfig, str | None
 def calibration_mismatch(config: SelfSpecConfig, model) -> str | None:
     """Why a calibrated config's speed may not hold for this model, or None: the calibration timed its settings in
     another dtype or on another kind of device (the shipped SmolLM2 config, timed in bfloat16 on an AVX512-BF16
-    CPU, decodes at 0.92x of plain generate in float32 on an AVX2-only one: bench_results/zen3/bench24-f32)."""
+    CPU, decodes at 0.92x of plain generate in float32 on an AVX2-only one: docs/benchmarks.md)."""
     calibration = config.metadata.get("calibration") or {}
     dtype, device = calibration.get("dtype"), calibration.get("device")
     if config.drafter == "none" or dtype is None or device is None:

@@ -30,7 +30,7 @@ def _chat_ids(tok, text="Hi there"):
 
 
 # ---------------------------------------------------------------------------
-# the real default model (one conversion for the whole session: it takes ~20-30 s)
+# the real default model (converted once per test run: it takes ~20-30 s)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ ALPHA = 1e-4
 def _tiny_model():
     """Drawn on the CPU, then moved to the test device: the same model everywhere, so the negative controls keep
     the power they have on it (drawn by a GPU's generator it is another model, on which two planted bugs went
-    unseen: p 0.03-0.04 against 1e-16 here, H200, session 24)."""
+    unseen on an H200: p 0.03-0.04 against 1e-16 on the CPU's model)."""
     torch.manual_seed(11)
     cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,

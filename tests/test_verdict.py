@@ -30,9 +30,9 @@ def bf16_smollm2():
         model, tok = load_default_model(dtype=torch.bfloat16)
     except (ModuleNotFoundError, ImportError) as err:
         pytest.skip(str(err))
-    # bf16 near-ties depend on the CPU's kernels: translation question 161 has one on the AMD EPYC this test was
-    # written on (top two tokens 0.06 apart at generated token 18), the Intel Xeon of session 8 rounds it away, so
-    # the test looks for the first of a few eval prompts where the oracle parts from plain greedy
+    # bf16 near-ties depend on the CPU's kernels: translation question 161 has one on an AVX512-BF16 AMD EPYC
+    # (top two tokens 0.06 apart at generated token 18) that an Intel Xeon's kernels round away, so the test
+    # looks for the first of a few eval prompts where the oracle parts from plain greedy
     prompts = load_prompts(None, split="eval", limit_per_category=2)
     prompts.sort(key=lambda p: p.question_id != 161)
     return model, [chat_input_ids(tok, p.text) for p in prompts]

@@ -2,10 +2,10 @@
 //
 // Why: oneDNN's packed bf16 matmul spends about as long on a 1-row call as on a 3-row one (its call's own
 // overhead is large); this kernel streams the weight once per call with every row's accumulators in registers
-// (scripts/measure_gemm.py: 51 us against 134 us for one row of 576 -> 1536 here). One row goes through
+// (51 us against 134 us for one row of 576 -> 1536 on one Xeon core). One row goes through
 // vdpbf16ps. From two rows on the same sums run either through vdpbf16ps or as float32 FMAs over the widened
 // weight, whichever the CPU runs faster (the caller chooses: small_gemm.many_row_sums): FMAs retire twice
-// vdpbf16ps's multiply-adds per second on this project's Xeon, half of them on its AMD EPYC. The weight is
+// vdpbf16ps's multiply-adds per second on an Intel Xeon, half of them on an AMD EPYC (Zen 5). The weight is
 // prefetched ahead so that it keeps arriving from DRAM while the rows' sums run.
 //
 // Bits: each output is accumulated in float32 over K in the order oneDNN's kernel uses on the machines it was
@@ -29,8 +29,8 @@
 
 namespace {
 // Weight bytes are prefetched this many 64-byte vectors ahead in each column block's stream: from DRAM the
-// loads alone do not keep the weight arriving while a few rows' FMAs run. scripts/measure_step_gemms.py, all of
-// SmolLM2's matmuls over 5 rows against 1 row (bench_results/fma-xeon/prefetch.txt, one build each): 1.35x
+// loads alone do not keep the weight arriving while a few rows' FMAs run. All of SmolLM2's matmuls over 5 rows
+// against 1 row on a Xeon core, one build each: 1.35x
 // without the prefetch, 1.22x at 8, 1.07x at 32, 1.04x at 128. Separate builds' absolute times are not
 // comparable on this shared machine, so whether 128 beats 32 on the 1-row time is not settled; 32 stays.
 constexpr int64_t kPrefetchAhead = 32;
@@ -98,8 +98,8 @@ struct DotBf16 {
   }
 };
 
-// One pair of K by float32 FMAs over the weight widened from bf16: on this project's Xeon vdpbf16ps retires 1.1 G a
-// second (36 G multiply-adds) and vfmadd231ps 5.1 G (81 G; scripts/check_fma_vs_dpbf16.c), so from two rows on,
+// One pair of K by float32 FMAs over the weight widened from bf16: on an Intel Xeon core vdpbf16ps retires 1.1 G a
+// second (36 G multiply-adds) and vfmadd231ps 5.1 G (81 G), so from two rows on,
 // where the multiply-adds and not the weight's bytes set the time, this runs the same sums about twice as fast.
 // Same bits: a product of two bf16 is exact in float32, so each FMA rounds once, as each half of vdpbf16ps does
 // (k + 1 first); vdpbf16ps treats denormal inputs as zero and flushes denormal results, which the caller matches

@@ -441,7 +441,7 @@ def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
     packed = "-packed" if identity.get("packed") else ""
-    # True (== 1) in session 15's identities, then the kernel's revision, from 3 on with its sums ("3-dot")
+    # True (== 1) in the oldest identities, then the kernel's revision, from 3 on with its sums ("3-dot")
     kernel = identity.get("small_gemm")
     packed += ("-smallgemm" if kernel == 1 else f"-smallgemm{kernel}") if kernel else ""
     packed += "-foldedgqa" if identity.get("folded_gqa") else ""
