@@ -429,7 +429,7 @@ def frequent_token_ids(token_ids: torch.Tensor, size: int, always: list[int] | N
 # Tensor-parallel models (weights are DTensors, sharded over the ranks of a torchrun job). Heads are replicated:
 # every rank holds all of a head and computes it alone, so drafting adds no collective per drafted token. The
 # draft-vocabulary rows of a sharded LM head are gathered once (only those rows: 38 ms against 234 ms for the whole
-# head) and cached. Measured on CPU/gloo, 2 ranks (tests/tp_rows_bench.py): scoring SmolLM2's 3580 draft rows
+# head) and cached. Measured on CPU/gloo, 2 ranks: scoring SmolLM2's 3580 draft rows
 # (H = 576) from replicated rows took 0.15 ms per drafted token against 1.6 ms for each rank scoring the rows it
 # holds plus an all-gather of the logits; at H = 2048 with 8192 rows the two were even (5.1 against 4.8 ms).
 # Every function here that gathers is a collective: all ranks call it together, as the decode loop does.

@@ -12,7 +12,8 @@ method (identical / near-tie / differs) and kept in the JSON; --strict fails on 
     python -m selfspec.bench --methods hf-greedy selfspec oracle --categories qa --max-new-tokens 64
 
 Writes `results.md` (a table per category and overall), `results.json` (machine, versions, model, settings,
-per-prompt records) and `speedup.png` into `--output`.
+per-prompt records) and `speedup.png` into `--output`. `--report DIR` and `--update PAGE` turn saved results into
+the tables the docs show (report.py), without loading a model.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import torch
 from ..config import SelfSpecConfig
 from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, left_pad, load_prompts
 from .measure import eos_ids_of, loadavg, machine_info, sampling_kwargs, step_speedups, timed, versions
+from .report import add_arguments as add_report_arguments
+from .report import main_report, markdown_table
 from .verdict import DIFFERS, NEAR_TIE, PlainLogits, first_difference, judge, verify_chunk
 
 BASELINE = "hf-greedy"
@@ -671,23 +674,6 @@ def summarize(records: list[Record], names: list[str], categories: list[str]) ->
 
 
 # --- output ---------------------------------------------------------------------------------------------------
-def _fmt(value, pattern: str) -> str:
-    return "–" if value is None else pattern.format(value)
-
-
-def markdown_table(rows: dict[str, dict]) -> str:
-    lines = ["| method | tokens/s | speedup | mean accepted | acceptance | of oracle | identical / near-tie / differs |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
-    for name, r in rows.items():
-        exact = "n/a" if r["exact"] is None else f"{r['exact']} / {r['near_tie']} / {r['differs']}"
-        if r["differs"]:
-            exact = f"**{exact} DIFFERS**"
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '{:.2f}x')} | "
-                     f"{_fmt(r['mean_accepted'], '{:.2f}')} | {_fmt(r['acceptance'], '{:.1%}')} | "
-                     f"{_fmt(r['oracle_fraction'], '{:.0%}')} | {exact} |")
-    return "\n".join(lines)
-
-
 def _sampling_words(settings: dict) -> str:
     top_p = settings.get("top_p", 1.0)  # results written before top-p was an option sampled without it
     return f"sampling, temperature {settings['temperature']}" + (f", top-p {top_p}" if top_p < 1 else "")
@@ -848,6 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="exit with status 1 when an output differs from hf-greedy's other than at a near-tie "
                         "(a bug)%(default).0s")
+    add_report_arguments(p)
     return p
 
 
@@ -903,6 +890,8 @@ def default_output(cfg: BenchConfig) -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.report or args.update:
+        return main_report(args)
     try:
         cfg = config_from_args(args)
         check_categories(cfg)
