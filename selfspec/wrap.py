@@ -168,6 +168,14 @@ class SelfSpecEngine:
                 f"config={self.config}, heads={sorted(self.heads)})")
 
 
+# What `wrap(model)` drafts with when it is given no heads, no drafter and no exit layer: an untrained exit drafts
+# badly and pays for E layers and the LM head per draft (on SmolLM2 a fifth of plain speed), while a prompt lookup
+# costs nothing to draft and is right wherever the answer repeats its context.
+UNTRAINED_DEFAULT = {"drafter": "ngram", "max_draft_tokens": 8}
+NO_HEADS_NOTE = ("selfspec: no trained exit heads were given, so drafts come from n-gram lookups in the prompt and "
+                 "text so far; heads trained for this model (docs/training.md) draft with its early layers too.")
+
+
 def _resolve_config(config, overrides: dict) -> tuple[SelfSpecConfig, str | None]:
     directory = None
     if config is None:
@@ -237,6 +245,9 @@ def wrap(model, config=None, **overrides):
         overrides["drafter"] = "model"
     elif drafter is not None:
         overrides["drafter"] = drafter
+    if config is None and drafter is None and "exit_layer" not in overrides:
+        overrides = {**UNTRAINED_DEFAULT, **overrides}
+        warn_once(NO_HEADS_NOTE, stacklevel=3)
     config, directory = _resolve_config(config, overrides)
     mismatch = calibration_mismatch(config, model)
     if mismatch:

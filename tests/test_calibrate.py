@@ -596,8 +596,11 @@ def test_second_turns_carry_the_models_own_first_answer():
                                   {"role": "user", "content": "Now a colour."}])
     assert torch.equal(got[2], want)
     assert len(encode_turns(model, tok, prompts, MeasureSpec(turns=[2], answer_tokens=12), "cpu")) == 1
-    with pytest.raises(ValueError, match="no calibration prompt has one"):
-        encode_turns(model, tok, prompts[1:], MeasureSpec(turns=[2]), "cpu")
+    for turns in ([2], [1, 2]):  # single-turn prompts: their first turns are timed, and the log says so once
+        said = []
+        got = encode_turns(model, tok, prompts[1:], MeasureSpec(turns=turns), "cpu", log=said.append)
+        assert len(got) == 1 and torch.equal(got[0], chat_input_ids(tok, "Just one turn."))
+        assert len(said) == 1 and said[0].startswith("calibrating on first turns: no calibration prompt has a second")
 
 
 @pytest.mark.parametrize("turns", [[], [3], [1, 1], "1"])

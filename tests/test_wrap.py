@@ -190,3 +190,33 @@ def test_drafters_without_early_layers_verify_every_layer_in_one_pass(monkeypatc
         finally:
             selfspec.unwrap(model)
     assert seen == [LAYERS, LAYERS]
+
+
+# --- what wrap drafts with when it is given nothing -------------------------------------------------------------
+def test_wrap_without_heads_drafts_with_ngrams_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(selfspec.hf, "_warned", set())
+    model = make_model("llama", LAYERS)
+    ids = prompt(seed=3, length=12)
+    plain = model.generate(ids, **GEN)
+    with pytest.warns(UserWarning, match=r"no trained exit heads .* n-gram lookups .*docs/training.md"):
+        selfspec.wrap(model)
+    assert (model.selfspec.config.drafter, model.selfspec.config.max_draft_tokens) == ("ngram", 8)
+    assert torch.equal(model.generate(ids, **GEN), plain)
+    selfspec.unwrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: the second wrap is quiet
+        selfspec.wrap(model, max_draft_tokens=3)
+    assert (model.selfspec.config.drafter, model.selfspec.config.max_draft_tokens) == ("ngram", 3)
+    selfspec.unwrap(model)
+
+
+def test_an_exit_layer_or_a_drafter_keeps_what_was_asked():
+    model = make_model("llama", LAYERS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        selfspec.wrap(model, exit_layer=2)
+        assert model.selfspec.config.drafter == "early_exit"
+        selfspec.unwrap(model)
+        selfspec.wrap(model, drafter="hybrid", exit_layer=2)
+        assert model.selfspec.config.drafter == "hybrid"
+        selfspec.unwrap(model)

@@ -90,8 +90,13 @@ class ArchAdapter:
         """Call a decoder-layer module (layer i itself, or a head's copy of it) the way layer i is called."""
         raise NotImplementedError
 
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def norm(self) -> nn.Module:
+        """The final norm module (hooks read its output: the states the LM head reads)."""
         raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
 
     def logits(self, normed: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """LM head on final-normed states (B, T, H) -> (B, T, V), or only the rows `vocab_ids` -> (B, T, len)."""

@@ -26,5 +26,6 @@ class GPT2Adapter(ArchAdapter):
     def call_module(self, layer, i, hidden, mask, positions, rotary, cache):
         return layer(hidden, cache=cache, attention_mask=mask, use_cache=True, position_ids=positions)
 
-    def final_norm(self, hidden):
-        return self.base.ln_f(hidden)
+    @property
+    def norm(self):
+        return self.base.ln_f

@@ -31,5 +31,6 @@ class GPTNeoXAdapter(ArchAdapter):
             position_embeddings=rotary,
         )
 
-    def final_norm(self, hidden):
-        return self.base.final_layer_norm(hidden)
+    @property
+    def norm(self):
+        return self.base.final_layer_norm

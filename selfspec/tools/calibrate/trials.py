@@ -56,21 +56,22 @@ def encode_prompts(tokenizer, texts: list[str], device) -> list[torch.Tensor]:
     return [chat_input_ids(tokenizer, text).to(device) for text in texts]
 
 
-def encode_turns(model, tokenizer, prompts: list[Prompt], measure: MeasureSpec, device) -> list[torch.Tensor]:
+def encode_turns(model, tokenizer, prompts: list[Prompt], measure: MeasureSpec, device, log=print
+                 ) -> list[torch.Tensor]:
     """(1, T) ids of every turn in measure.turns of every prompt, turn by turn: turn 1 is the first user turn;
     turn 2 the conversation after the model's own greedy answer to it (plain `generate`, measure.answer_tokens
     long) and then the second user turn, as Spec-Bench runs MT-bench. A second turn quotes and reworks the first
     answer, which is where drafting by lookup pays, so a calibration on first turns alone cannot tell apart
-    settings that differ there. Prompts without a second turn (a text file) give turn 1 only."""
+    settings that differ there. Prompts without a second turn (a text file) give turn 1 only, and when no prompt
+    has one the calibration times the first turns, saying so in one line through `log`."""
     firsts = encode_prompts(tokenizer, [p.text for p in prompts], device)
+    two = [(p, ids) for p, ids in zip(prompts, firsts) if len(p.turns) > 1] if 2 in measure.turns else []
+    if 2 in measure.turns and not two:
+        log("calibrating on first turns: no calibration prompt has a second turn (measure.turns asks for "
+            f"{' and '.join(map(str, measure.turns))})")
+        return list(firsts)
     out = list(firsts) if 1 in measure.turns else []
-    if 2 in measure.turns:
-        two = [(p, ids) for p, ids in zip(prompts, firsts) if len(p.turns) > 1]
-        if not two:
-            raise ValueError("measure.turns asks for second turns, but no calibration prompt has one (a JSONL "
-                             "prompt's `turns` list needs two entries); set measure.turns: [1].")
-        out += [second_turn_ids(model, tokenizer, p, ids, measure.answer_tokens).to(device) for p, ids in two]
-    return out
+    return out + [second_turn_ids(model, tokenizer, p, ids, measure.answer_tokens).to(device) for p, ids in two]
 
 
 def second_turn_ids(model, tokenizer, prompt: Prompt, first: torch.Tensor, answer_tokens: int) -> torch.Tensor:

