@@ -117,3 +117,70 @@ def test_the_cli_comparison_judges_what_differs():
     assert "does not reproduce itself" in greedy_verdict(model, ids, [planted], [plain], 8)
     assert "ended where the other went on" in greedy_verdict(model, ids, [plain], [plain[:, :-2]], 8)
     selfspec.unwrap(model)
+
+
+# --- batches: the reference is plain generate over the padded batch -----------------------------------------------
+def test_a_batch_row_is_judged_against_the_run_that_produced_the_reference():
+    """In bfloat16 a padded batch row rounds otherwise than the same prompt alone: the logits judged are the row's
+    own in plain generate over the batch, which choose every reference token (l1 always reproduces `want`)."""
+    from conftest import make_model, padded_batch
+
+    model = make_model("llama", 4, dtype=torch.bfloat16)
+    ids, mask = padded_batch(seed=5, lengths=(11, 4, 7))
+    new = 16
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+    plain = PlainLogits(model, {"pad_token_id": 0})
+    for row in range(ids.shape[0]):
+        for i in range(new):
+            assert int(plain.at_row(ids, mask, row, i, new).argmax()) == int(ref[row, i]), (row, i)
+
+
+def test_a_planted_batch_bug_is_judged_differs_with_its_gap():
+    """One row of a padded batch accepts a rejected draft per step (a planted bug in that row only): the bench
+    judges that row DIFFERS with the gap of the batch's own logits, and the other rows stay identical."""
+    from conftest import make_model, padded_batch
+    from selfspec.tools import bench
+
+    model = make_model("llama", 4)
+    ids, mask = padded_batch(seed=6)
+    work = bench.Workload([bench.Batch("qa", ["a", "b", "c"], ids, mask)], bench.Batch("w", ["w"], ids[:1],
+                                                                                      mask[:1]), [])
+    real = decoding.verify_greedy
+
+    def row_one_accepts_one_more(draft, target_logits, draft_len):
+        n, token = real(draft, target_logits, draft_len)
+        if draft.shape[0] == 3:
+            n = n.clone()
+            n[1] = torch.minimum(n[1] + 1, draft_len[1])
+            token = token.clone()
+            token[1] = target_logits[1].argmax(-1)[n[1]]
+        return n, token
+
+    config = bench.BenchConfig(model="tiny-llama", exit_layer=2, max_draft_tokens=4, max_new_tokens=14,
+                               warmup_tokens=4, tune_tokens=4, batch_size=3, methods=("hf-greedy", "selfspec-untrained"))
+    import pytest as _pytest
+
+    with _pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoding, "verify_greedy", row_one_accepts_one_more)
+        res = bench.run_bench(model, work, config, pad_id=0, eos_ids=[2])
+    assert [(m["method"], m["question_id"], m["verdict"]) for m in res.mismatches] == [
+        ("selfspec-untrained", "b", DIFFERS)]
+    assert res.mismatches[0]["gap"] is not None and res.mismatches[0]["gap"] > 0
+
+
+@pytest.mark.slow
+def test_bf16_padded_batches_of_smollm2_have_no_false_differs(bf16_smollm2):
+    """SmolLM2 in bfloat16, eval prompts in left-padded batches of 4, the shipped hybrid: every parting from plain
+    generate over the same batch is judged against that batch's logits, and none is a bug. Where a row's unpadded
+    logits do not even reproduce the batch's reference, judging against them would have said DIFFERS."""
+    from selfspec.models import load_default_model
+    from selfspec.packing import apply_choice
+    from selfspec.tools import bench
+
+    model, tok = load_default_model(dtype=torch.bfloat16)
+    apply_choice(model, None)  # packed as `selfspec bench` runs it
+    config = bench.BenchConfig(limit=4, categories=("qa", "summarization"), max_new_tokens=64, batch_size=4,
+                               methods=("hf-greedy", "selfspec-hybrid"), warmup_tokens=4)
+    work = bench.build_workload(tok, config)
+    res = bench.run_bench(model, work, config, pad_id=tok.pad_token_id, eos_ids=bench.eos_ids_of(model, tok))
+    assert not [m for m in res.mismatches if m["verdict"] == DIFFERS], res.mismatches

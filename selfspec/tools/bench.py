@@ -353,11 +353,13 @@ class Harness:
         self.oracle_k: int | None = None  # set by bound_oracle once the run's methods are known
 
     def row_judge(self, batch: Batch, max_new: int, chunk: int) -> Callable:
-        """judge_row(b, got, want) -> Verdict for row b of this batch (its prompt without padding), for a method
-        whose verify passes run up to `chunk` tokens."""
+        """judge_row(b, got, want) -> Verdict for row b of this batch, for a method whose verify passes run up to
+        `chunk` tokens."""
         def judge_row(b, got, want):
             prompt = batch.input_ids[b][batch.attention_mask[b].bool()].tolist()
-            return judge(self.model, self.plain_logits, prompt, got, want, max_new, chunk=chunk)
+            # a batch's reference is plain generate over the padded batch: its own logits there are judged
+            row = (batch.input_ids, batch.attention_mask, b) if len(batch.question_ids) > 1 else None
+            return judge(self.model, self.plain_logits, prompt, got, want, max_new, chunk=chunk, batch_row=row)
         return judge_row
 
     def engine_config(self, drafter: str, trained: bool, tree: bool = False) -> SelfSpecConfig:

@@ -13,6 +13,10 @@ plain model's token and `b` the other one:
 
 The multi-token passes are one pass over the whole prefix and a cached prefix followed by a chunk of up to
 `chunk` tokens (the shape of a verify pass); the larger discrepancy counts.
+
+In a left-padded batch, l1 comes from the run that produced the reference: plain `generate` over the same padded
+batch, the row's own logits there. Padding and the batch's other rows change a half-precision row's rounding
+too, so a row's unpadded logits may not even choose the reference's tokens.
 """
 from __future__ import annotations
 
@@ -67,19 +71,34 @@ class PlainLogits:
     def __init__(self, model, generate_kwargs: dict):
         self.model, self.kwargs = model, generate_kwargs
         self._cache: dict[tuple, torch.Tensor] = {}
+        self._batch: tuple[tuple, torch.Tensor] | None = None  # the last batch's (key, (T, B, V) logits)
+
+    @torch.no_grad()
+    def _generate_logits(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int) -> torch.Tensor:
+        from transformers import GenerationMixin
+
+        out = GenerationMixin.generate(  # the class's generate: plain even if the model is wrapped
+            self.model, ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, **self.kwargs)
+        return torch.stack([step.float().cpu() for step in out.logits])  # (T, B, V)
+
+    def at_row(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row: int, index: int,
+               max_new: int) -> torch.Tensor:
+        """(V,) raw logits with which plain greedy `generate`, run over the whole left-padded batch, chose token
+        `index` of row `row`. Only the last batch is kept: the bench judges a batch's rows before the next."""
+        key = (tuple(map(tuple, input_ids.tolist())), tuple(map(tuple, attention_mask.tolist())), max_new)
+        if self._batch is None or self._batch[0] != key:
+            self._batch = (key, self._generate_logits(input_ids.to(self.model.device),
+                                                      attention_mask.to(self.model.device), max_new))
+        return self._batch[1][index, row]
 
     @torch.no_grad()
     def at(self, prompt: list[int], index: int, max_new: int) -> torch.Tensor:
         """(V,) raw logits with which plain greedy `generate` chose its token `index` after `prompt`."""
         key = tuple(prompt)
         if key not in self._cache:
-            from transformers import GenerationMixin
-
             ids = torch.tensor([prompt], device=self.model.device)
-            out = GenerationMixin.generate(  # the class's generate: plain even if the model is wrapped
-                self.model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                output_logits=True, return_dict_in_generate=True, **self.kwargs)
-            self._cache[key] = torch.stack([step[0].float().cpu() for step in out.logits])  # (T, V)
+            self._cache[key] = self._generate_logits(ids, torch.ones_like(ids), max_new)[:, 0]  # (T, V)
         return self._cache[key][index]
 
 
@@ -117,8 +136,10 @@ def verify_chunk(config) -> int:
 
 
 def judge(model, plain: PlainLogits, prompt: list[int], got: list[int], want: list[int], max_new: int,
-          chunk: int = 8) -> Verdict | None:
-    """Verdict for `got` against plain greedy's `want` after `prompt`; None when they are identical."""
+          chunk: int = 8, batch_row: tuple | None = None) -> Verdict | None:
+    """Verdict for `got` against plain greedy's `want` after `prompt`; None when they are identical. With
+    `batch_row` = (input_ids, attention_mask, row) `want` came from plain `generate` over that left-padded batch,
+    and its logits there are the ones judged against."""
     i = first_difference(got, want)
     if i is None:
         return None
@@ -126,7 +147,7 @@ def judge(model, plain: PlainLogits, prompt: list[int], got: list[int], want: li
     b = got[i] if i < len(got) else None
     if a is None or b is None:  # one output ended where the other went on without a differing token
         return Verdict(DIFFERS, i, a, b, None, None, None)
-    l1 = plain.at(prompt, i, max_new)
+    l1 = plain.at_row(*batch_row, i, max_new) if batch_row is not None else plain.at(prompt, i, max_new)
     if int(l1.argmax()) != a:  # plain generate does not reproduce itself: nothing to compare against
         return Verdict(DIFFERS, i, a, b, None, None, None)
     passes = multi_token_logits(model, prompt + want[:i], chunk)

@@ -200,7 +200,8 @@ def stage_train(run: Run) -> dict:
     vocab, _ = vocab_sizes(run.facts["vocab_size"])
     argv = ["--model", cfg.model, "--data-dir", str(run.out / "data"), "--out-dir", str(run.out / "heads"),
             "--exit-layers", ",".join(map(str, cfg.exit_layers)), "--head", "mlp", "--context", "top",
-            "--unroll", "2", "--steps", str(cfg.steps), "--batch-size", "512", "--draft-vocab-size", str(vocab),
+            "--unroll", "2", "--rank", str(2 * run.facts["hidden_size"]), "--steps", str(cfg.steps),
+            "--batch-size", "512", "--draft-vocab-size", str(vocab),
             "--eval-every", str(max(1, cfg.steps // 4)), "--checkpoint-every", str(max(1, min(200, cfg.steps // 4))),
             "--device", cfg.device, "--dtype", "bfloat16" if cfg.device.startswith("cuda") else "float32",
             *run.common()]
