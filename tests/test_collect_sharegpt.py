@@ -488,3 +488,39 @@ def test_train_heads_resumes_from_a_safetensors_checkpoint(setup, monkeypatch, c
     argv[argv.index(str(out))] = str(budget)
     assert train_heads.main(argv + ["--time-budget", "0.001", "--steps", "500"]) == 0
     assert f"{train_heads.PROBE_STEPS} steps (" in capsys.readouterr().out  # the budget left no room past the probe
+
+
+def test_sampling_agreement_is_the_acceptance_of_rejection_sampling(setup):
+    """sum_v min(p, q): 1 for a head whose distribution is the model's own, less for a uniform one (the negative
+    control), and equal to a direct count of the overlap for a head over a draft vocabulary."""
+    import selfspec
+    from selfspec.training.train_heads import sampling_agreement
+
+    model = setup["model"]
+    selfspec.wrap(model, exit_layer=1)
+    adapter = model.selfspec.adapter
+    try:
+        torch.manual_seed(0)
+        final = 30 * torch.randn(50, 32)  # peaked distributions: a uniform head then overlaps them little
+        rows = {"hidden.x": final, "hidden.final": final, "teacher_top1": torch.zeros(50, dtype=torch.long)}
+
+        class Head(torch.nn.Module):
+            reads_top = False
+
+            def __init__(self, vocab_ids=None, flat=False):
+                super().__init__()
+                self.vocab_ids, self.flat = vocab_ids, flat
+
+            def forward(self, h, adapter, prev):
+                logits = adapter.logits(h, self.vocab_ids)
+                return torch.zeros_like(logits) if self.flat else logits
+
+        assert sampling_agreement(Head(), rows, "hidden.x", adapter) == pytest.approx(1.0)
+        assert sampling_agreement(Head(flat=True), rows, "hidden.x", adapter) < 0.9
+        ids = torch.arange(0, 40)
+        p = torch.softmax(adapter.logits(final).float(), -1)
+        q = torch.softmax(adapter.logits(final, ids).float(), -1)
+        want = float(torch.minimum(p[:, ids], q).sum(-1).mean())
+        assert sampling_agreement(Head(ids), rows, "hidden.x", adapter) == pytest.approx(want)
+    finally:
+        selfspec.unwrap(model)

@@ -210,7 +210,7 @@ def stage_train(run: Run) -> dict:
     train_heads.main(argv)
     saved = json.loads((run.out / "heads" / "selfspec_config.json").read_text())["metadata"]
     return {"agreement": saved["agreement"], "untrained_agreement": saved["untrained_agreement"],
-            "steps": saved["trained_with"]["steps"]}
+            "sampling_agreement": saved.get("sampling_agreement", {}), "steps": saved["trained_with"]["steps"]}
 
 
 def stage_copy(run: Run) -> dict:
@@ -283,11 +283,12 @@ def render_report(run: Run) -> str:
                      f"{'(now)' if took is None else f'{took:.0f} s'} |")
     train, copy = stages.get("train", {}), stages.get("copy", {})
     lines += ["", "## Agreement with the full model's next token (held-out training text)", "",
-              "| exit layer | untrained exit | trained head | copy head, rows with a candidate |",
-              "| ---: | ---: | ---: | ---: |"]
+              "| exit layer | untrained exit | trained head | sampled (sum of min(p, q)) | copy head, rows with "
+              "a candidate |", "| ---: | ---: | ---: | ---: | ---: |"]
     for e in cfg.exit_layers:
         lines.append(f"| {e} | {_pct(train.get('untrained_agreement', {}).get(str(e)))} | "
                      f"{_pct(train.get('agreement', {}).get(str(e)))} | "
+                     f"{_pct(train.get('sampling_agreement', {}).get(str(e)))} | "
                      f"{_pct(copy.get('agreement_with_candidate', {}).get(str(e), {}).get('copy_head'))} |")
     bench_rows = stages.get("report", {}).get("bench", {})
     lines += ["", f"## Speed on Spec-Bench's evaluation split ({cfg.eval_prompts} prompts a category, "

@@ -323,6 +323,24 @@ def agreement(head, rows, key, adapter, chunk=4096) -> float:
     return hits / max(1, len(rows["teacher_top1"]))
 
 
+@torch.no_grad()
+def sampling_agreement(head, rows, key, adapter, temperature: float = 1.0, chunk: int = 1024) -> float:
+    """Mean over held-out positions of sum_v min(p(v), q(v)), p the full model's distribution and q the head's at
+    `temperature`: the chance that rejection sampling accepts the head's first draft (q is 0 outside a draft
+    vocabulary, so those tokens add nothing)."""
+    total, n = 0.0, len(rows["teacher_top1"])
+    for i in range(0, n, chunk):
+        h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
+        prev = rows["prev.final"][i : i + chunk].to(h.device, h.dtype) if head.reads_top else None
+        q = torch.softmax(head(h, adapter, prev).float() / temperature, dim=-1)  # (N, V_d)
+        final = rows["hidden.final"][i : i + chunk].to(h.device, h.dtype)
+        p = torch.softmax(adapter.logits(final).float() / temperature, dim=-1)  # (N, V)
+        if head.vocab_ids is not None:
+            p = p[:, head.vocab_ids.to(p.device)]
+        total += float(torch.minimum(p, q).sum())
+    return total / max(1, n)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # attention heads read whole sequences: the 32 stored prompt positions as context, loss on the answer rows
 def load_sequences(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int):
@@ -505,17 +523,21 @@ def main(argv=None) -> int:
 
     # the result: heads + config through save_pretrained (safetensors + JSON), bf16 keeps it small
     final_agree = {e: measure(e, h) for e, h in heads.items()}
+    sampled = {} if cfg.head == "attn" else {
+        e: sampling_agreement(h, held_rows, f"hidden.{e}", adapter) for e, h in heads.items()}
     best = cfg.default_exit_layer or max(final_agree, key=final_agree.get)
     model.selfspec.config = model.selfspec.config.replace(
         exit_layer=best, max_draft_tokens=cfg.max_draft_tokens,
         metadata={"trained_with": asdict(cfg), "untrained_agreement": baseline, "agreement": final_agree,
+                  "sampling_agreement": sampled,
                   "history": history, "train_seconds": time.time() - t0,
                   "data": {"rows": n, "manifest_settings_hash": manifest.get("settings_hash")}})
     for e, h in heads.items():
         model.selfspec.heads[e] = h.to(getattr(torch, cfg.save_dtype)).eval()
     model.selfspec.save_pretrained(cfg.out_dir)
     print(f"saved heads {sorted(heads)} to {cfg.out_dir}; default exit layer {best}; "
-          f"agreement {json.dumps({e: round(a, 4) for e, a in final_agree.items()})}")
+          f"agreement {json.dumps({e: round(a, 4) for e, a in final_agree.items()})}, sampling agreement (sum of "
+          f"min(p, q), temperature 1) {json.dumps({e: round(a, 4) for e, a in sampled.items()})}")
     return 0
 
 
