@@ -238,7 +238,10 @@ def stage_calibrate(run: Run) -> dict:
     cfg = run.cfg
     argv = ["--model", cfg.model, "--heads", str(run.out), "--output", str(run.out), "--device", cfg.device,
             "--dtype", cfg.dtype, *run.common()]
-    argv += ["--timeout", str(run.seconds("calibrate"))] if run.seconds("calibrate") else ["--trials", str(cfg.trials)]
+    # the study's timeout bounds its search only; its setup (plain timings, the cost model, second turns) and the
+    # final re-timing take about as long again, so the search gets half the stage's share
+    seconds = run.seconds("calibrate")
+    argv += ["--timeout", str(max(30.0, seconds / 2))] if seconds else ["--trials", str(cfg.trials)]
     if cfg.calibration_prompts:
         argv += ["--max-prompts", str(cfg.calibration_prompts)]
     calibrate_cli.main(argv)
