@@ -170,3 +170,19 @@ def test_bad_input_is_one_line_with_the_fix(tmp_path, case):
     done = _cli(*args, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and expect in done.stderr, done.stderr
+
+
+def test_data_collected_before_with_more_layers_is_reused(tmp_path):
+    """Shards collected beforehand into DIR/data, storing more layers than the heads need, are kept as they are:
+    collection goes on with their layers instead of refusing them as other settings."""
+    from selfspec.training import collect
+
+    path = model_dir(tmp_path, "llama")
+    out, chats = tmp_path / "out", write_chats(tmp_path / "chats.jsonl")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{name_or_path: {path}}}\ncollect: {{sharegpt: {{store_dtype: bfloat16}}}}\n")
+    assert collect.main(["--source", "sharegpt", "--config", str(config), "--cache-dir", str(out / "data"),
+                         "--data", str(chats), "--exit-layers", "1,2,3", "--dtype", "float32", "--threads", "1"]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.safetensors")}
+    assert prepare.main([str(path), "--output", str(out), "--data", str(chats), "--exit-layers", "1,2", *FAST]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.safetensors")} == before

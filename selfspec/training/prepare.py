@@ -178,11 +178,19 @@ def stage_collect(run: Run) -> dict:
     from . import collect
 
     cfg = run.cfg
+    # data collected before (an earlier run, or a folder linked in as DIR/data) that stores more layers than the
+    # heads need is reused: the collection goes on with the layers its shards hold, so that their settings match
+    layers = cfg.exit_layers
+    manifest = run.out / "data" / "manifest.json"
+    if manifest.is_file():
+        stored = json.loads(manifest.read_text()).get("exit_layers") or []
+        if set(layers) <= set(stored):
+            layers = stored
     config = run.out / "collect.yaml"
     config.write_text(yaml.safe_dump({"model": {"name_or_path": cfg.model}, "collect": {"sharegpt": {
         "path": cfg.data, "store_dtype": "bfloat16"}}}))
     argv = ["--source", "sharegpt", "--config", str(config), "--cache-dir", str(run.out / "data"),
-            "--exit-layers", ",".join(map(str, cfg.exit_layers)), "--target-tokens", str(cfg.collect_tokens),
+            "--exit-layers", ",".join(map(str, layers)), "--target-tokens", str(cfg.collect_tokens),
             "--dtype", cfg.dtype, "--device", cfg.device, *run.common()]
     if cfg.device.startswith("cuda"):  # fill the GPU: long teacher-forced batches, many answers per call
         argv += ["--batch-tokens", "32768", "--gen-batch-size", "128"]
