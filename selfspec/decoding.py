@@ -118,7 +118,10 @@ class DecodeState:
         self.step = 0  # decode steps so far (0: the token after prefill)
         self.copy_k = 0  # this step's copy_budget: how far a chain that copies may run (the loop sets it)
         self.keep_prompt_hidden = False  # set from the drafter: only heads with a cache of their own need them
-        self.prompt_hidden = None
+        self.prompt_hidden = None  # (layer-E, final) states of the prompt, kept through prefill when asked
+        self.prompt_positions: torch.Tensor | None = None  # (B, T0) positions of the prompt tokens (prefill)
+        self.prefill_exit_layer: int | None = None  # the layer whose input the prefill kept as the early states
+        self.last_verify: VerifyStep | None = None  # what the latest verification pass saw (verify, rollback)
 
     @property
     def adapter(self):
@@ -169,7 +172,7 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
 def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_layer: int) -> Draft:
     """The loop's side of the drafter contract: check what a drafter proposed, write the tokens into the
     sequence (emit and the processors read them there), and propose nothing for rows that have finished."""
-    name = getattr(drafter, "name", None) or type(drafter).__name__
+    name = drafter.name
     tokens = draft.tokens
     most = max(k, state.copy_k)  # a chain that copies may run to copy_k (copy_budget)
     chain_too_long = draft.parents is None and tokens.dim() == 2 and tokens.shape[1] > most  # trees: _check_tree

@@ -13,7 +13,6 @@ from .config import SelfSpecConfig
 from .decoding import DecodeSettings, GenerationStats, speculative_decode
 from .drafters import build_drafter
 from .drafters.base import Drafter
-from .drafters.early_exit import EarlyExitDrafter
 from .forward import StepContext
 from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
@@ -85,9 +84,9 @@ class SelfSpecEngine:
         (ngram, a draft model, oracle, none) brings no hidden states and the verifier runs all layers over its
         drafts: E = L (one pass through every layer), whatever `config.exit_layer` says."""
         num_layers = self.adapter.num_layers
-        if not getattr(drafter, "uses_early_layers", False):
+        if not drafter.uses_early_layers:
             return num_layers
-        exit_layer, name = self.config.exit_layer, getattr(drafter, "name", type(drafter).__name__)
+        exit_layer, name = self.config.exit_layer, drafter.name
         if not isinstance(exit_layer, int) or not 1 <= exit_layer <= num_layers - 1:
             raise ValueError(
                 f"exit_layer={exit_layer!r} is out of range for the {name!r} drafter on a model with {num_layers} "
@@ -103,14 +102,13 @@ class SelfSpecEngine:
         wanted, k = self.config.copy_draft_tokens, self.config.max_draft_tokens
         if wanted <= k or type(drafter) is Drafter:  # no run past K asked, or nothing drafted at all
             return 0
-        runs_copies = getattr(drafter, "runs_copies", False)
-        if not runs_copies and isinstance(drafter, EarlyExitDrafter):
-            raise ValueError(f"copy_draft_tokens={wanted} lets a chain run past K while its head copies, but the "
-                             f"head at layer {drafter.exit_layer} has no copy lookup: use heads trained with "
-                             f"copy_max > 0, or set copy_draft_tokens=0.")
-        if runs_copies and not trees:
+        missing = drafter.copy_runs_missing()
+        if missing:
+            raise ValueError(f"copy_draft_tokens={wanted} lets a chain run past K while its head copies, but "
+                             f"{missing}, or set copy_draft_tokens=0.")
+        if drafter.runs_copies and not trees:
             return wanted
-        what = "draft trees" if trees else f"the {getattr(drafter, 'name', type(drafter).__name__)!r} drafter"
+        what = "draft trees" if trees else f"the {drafter.name!r} drafter"
         warn_once(f"selfspec: copy_draft_tokens={wanted} lets the chains of a copy head and of the hybrid run past "
                   f"K while they copy; {what} draft at most max_draft_tokens={k}.", stacklevel=4)
         return 0
@@ -124,9 +122,8 @@ class SelfSpecEngine:
         top_k = self.config.draft_tree_top_k
         if top_k == 1 or type(drafter) is Drafter:
             return {}
-        name = getattr(drafter, "name", None) or type(drafter).__name__
-        if not getattr(drafter, "drafts_trees", False):
-            reason = f"the {name!r} drafter drafts chains only"
+        if not drafter.drafts_trees:
+            reason = f"the {drafter.name!r} drafter drafts chains only"
         elif not settings.processors.prefix_free:
             reason = ("a logits processor reads the prefix (" + ", ".join(type(p).__name__ for p in
                       settings.processors.processors) + "), which differs from branch to branch of a tree")
@@ -271,12 +268,12 @@ def wrap(model, config=None, **overrides):
 def _drafter_object_fields(drafter: Drafter, overrides: dict) -> dict:
     """Config fields that describe a Drafter object: its name, and the layer it exits at if it drafts with the
     early layers (the verifier must start from that layer; a conflicting exit_layer is refused)."""
-    name = getattr(drafter, "name", None)
+    name = drafter.name
     if not isinstance(name, str) or not name:
         raise TypeError(f"{type(drafter).__name__} needs a `name` (a class attribute naming the drafter).")
     fields = {"drafter": name}
     layer = getattr(drafter, "exit_layer", None)
-    if getattr(drafter, "uses_early_layers", False) and isinstance(layer, int):
+    if drafter.uses_early_layers and isinstance(layer, int):
         given = overrides.get("exit_layer")
         if given is not None and given != layer:
             raise ValueError(f"The {type(drafter).__name__} exits at layer {layer}, but exit_layer={given} was given: "

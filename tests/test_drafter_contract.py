@@ -132,3 +132,24 @@ def test_an_early_exit_drafter_built_by_hand_takes_a_rule_or_a_bare_threshold():
     assert by_number.rule == ConfidenceRule(0.3) and by_number.threshold == 0.3
     by_rule = EarlyExitDrafter(ExitHead(2), ConfidenceRule(0.2, cumulative=True))
     assert by_rule.rule.cumulative and by_rule.threshold == 0.2
+
+
+def test_every_decode_state_field_is_set_in_init(monkeypatch):
+    """The loop's state is declared whole in DecodeState.__init__: decoding adds no field of its own later."""
+    from selfspec import decoding
+
+    seen = {}
+    init = decoding.DecodeState.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen["state"], seen["fields"] = self, set(vars(self))
+
+    monkeypatch.setattr(decoding.DecodeState, "__init__", spy)
+    for config in (dict(drafter="hybrid", exit_layer=2, max_draft_tokens=3),
+                   dict(drafter="early_exit", exit_layer=2, max_draft_tokens=3, draft_tree_top_k=2,
+                        draft_tree_size=4)):
+        model = make_model("llama", 4)
+        selfspec.wrap(model, **config)
+        model.generate(prompt(seed=2, length=10), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert set(vars(seen["state"])) == seen["fields"], set(vars(seen["state"])) - seen["fields"]

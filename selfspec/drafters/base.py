@@ -56,6 +56,11 @@ class Drafter:
     # copy_draft_tokens only to drafters that say so.
     runs_copies = False
 
+    def copy_runs_missing(self) -> str | None:
+        """Why this drafter cannot run past K while it copies although it drafts with a head that could (a head
+        without a copy lookup), or None. Drafters that never copy have nothing missing: they simply do not run."""
+        return None
+
     def begin(self, state) -> None:
         """Called once after prefill."""
 

@@ -30,6 +30,11 @@ class EarlyExitDrafter(Drafter):
         self.copies = CopyPaths(head.copy_max) if head.copy_max else None
         self.runs_copies = self.copies is not None  # its chains may run past K while they copy (draft_length)
 
+    def copy_runs_missing(self) -> str | None:
+        if self.runs_copies:
+            return None
+        return (f"the head at layer {self.exit_layer} has no copy lookup: use heads trained with copy_max > 0")
+
     @property
     def threshold(self) -> float:
         """The rule's threshold, which a tree's nodes' path probabilities must reach (tree.py)."""
