@@ -121,7 +121,7 @@ def test_stale_cache_is_rebuilt(converted, monkeypatch, tmp_path):
     (stale / "model.safetensors").write_text("garbage")
     calls = []
 
-    def fake_convert(gguf, out_dir):
+    def fake_convert(gguf, out_dir, record, store_dtype):
         # Hard links stand in for the 20 s dequantization; the rest of the flow is real.
         calls.append(gguf)
         for f in src.iterdir():
