@@ -272,8 +272,7 @@ def stage_report(run: Run) -> dict:
     summary = json.loads((run.out / "bench" / "results.json").read_text())["summary"]["overall"]
     rows = {m: {"speedup": r["speedup"], "mean_accepted": r["mean_accepted"], "differs": r["differs"]}
             for m, r in summary.items()}
-    run.state["stages"]["report"] = {"bench": rows}
-    (run.out / "report.md").write_text(render_report(run))
+    (run.out / "report.md").write_text(render_report(run, rows))
     return {"bench": rows}
 
 
@@ -282,7 +281,8 @@ def _pct(value) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
-def render_report(run: Run) -> str:
+def render_report(run: Run, bench_rows: dict) -> str:
+    """report.md from the finished stages' state and the bench's overall rows."""
     cfg, stages = run.cfg, run.state["stages"]
     lines = [f"# selfspec prepare: {cfg.model}", "",
              f"Exit layers {cfg.exit_layers} of {run.facts['num_layers']}; data: {cfg.data or 'ShareGPT'}; device "
@@ -301,7 +301,6 @@ def render_report(run: Run) -> str:
                      f"{_pct(train.get('agreement', {}).get(str(e)))} | "
                      f"{_pct(train.get('sampling_agreement', {}).get(str(e)))} | "
                      f"{_pct(copy.get('agreement_with_candidate', {}).get(str(e), {}).get('copy_head'))} |")
-    bench_rows = stages.get("report", {}).get("bench", {})
     lines += ["", f"## Speed on Spec-Bench's evaluation split ({cfg.eval_prompts} prompts a category, "
                   f"{cfg.max_new_tokens} tokens)", "", "| method | speedup | mean accepted | differs |",
               "| --- | ---: | ---: | ---: |"]

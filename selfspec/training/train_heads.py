@@ -310,16 +310,21 @@ def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_
     return kl + ce_weight * ce
 
 
+def head_chunks(head, rows, key, adapter, chunk):
+    """(rows slice, the head's (N, V_d) logits there) over the held-out rows, `chunk` at a time."""
+    for i in range(0, len(rows["teacher_top1"]), chunk):
+        h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
+        prev = rows["prev.final"][i : i + chunk].to(h.device, h.dtype) if head.reads_top else None
+        yield slice(i, i + chunk), head(h, adapter, prev)
+
+
 @torch.no_grad()
 def agreement(head, rows, key, adapter, chunk=4096) -> float:
     """Fraction of held-out positions where the head's argmax equals the full model's argmax."""
     hits = 0
-    for i in range(0, len(rows["teacher_top1"]), chunk):
-        h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
-        prev = rows["prev.final"][i : i + chunk].to(h.device, h.dtype) if head.reads_top else None
-        pred = head(h, adapter, prev).argmax(-1)
-        ids = head.token_ids(pred)
-        hits += int((ids.cpu() == rows["teacher_top1"][i : i + chunk].long()).sum())
+    for part, logits in head_chunks(head, rows, key, adapter, chunk):
+        ids = head.token_ids(logits.argmax(-1))
+        hits += int((ids.cpu() == rows["teacher_top1"][part].long()).sum())
     return hits / max(1, len(rows["teacher_top1"]))
 
 
@@ -328,17 +333,15 @@ def sampling_agreement(head, rows, key, adapter, temperature: float = 1.0, chunk
     """Mean over held-out positions of sum_v min(p(v), q(v)), p the full model's distribution and q the head's at
     `temperature`: the chance that rejection sampling accepts the head's first draft (q is 0 outside a draft
     vocabulary, so those tokens add nothing)."""
-    total, n = 0.0, len(rows["teacher_top1"])
-    for i in range(0, n, chunk):
-        h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
-        prev = rows["prev.final"][i : i + chunk].to(h.device, h.dtype) if head.reads_top else None
-        q = torch.softmax(head(h, adapter, prev).float() / temperature, dim=-1)  # (N, V_d)
-        final = rows["hidden.final"][i : i + chunk].to(h.device, h.dtype)
+    total = 0.0
+    for part, logits in head_chunks(head, rows, key, adapter, chunk):
+        q = torch.softmax(logits.float() / temperature, dim=-1)  # (N, V_d)
+        final = rows["hidden.final"][part].to(logits.device, head_dtype(head))
         p = torch.softmax(adapter.logits(final).float() / temperature, dim=-1)  # (N, V)
         if head.vocab_ids is not None:
             p = p[:, head.vocab_ids.to(p.device)]
         total += float(torch.minimum(p, q).sum())
-    return total / max(1, n)
+    return total / max(1, len(rows["teacher_top1"]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
