@@ -12,6 +12,9 @@ DRAFTERS = ("early_exit", "ngram", "hybrid", "model", "oracle", "none")
 
 @dataclass
 class SelfSpecConfig:
+    # --- what a user sets ---
+    # Which drafter proposes tokens: early_exit, ngram, hybrid (both), model (a separate draft model), oracle, none.
+    drafter: str = "early_exit"
     # Drafting runs decoder layers [0, exit_layer) plus an exit head; 1 <= exit_layer <= L-1.
     exit_layer: int = 8
     # Most tokens proposed per verification step (K); the verifier adds one of its own.
@@ -19,6 +22,12 @@ class SelfSpecConfig:
     # Stop drafting once the head's top probability falls below this (0 disables the early stop); a tree stops
     # growing once no child's cumulative draft probability reaches it.
     draft_confidence_threshold: float = 0.0
+    # Draft trees (EAGLE-2 style): children expanded per node; 1 drafts a chain. max_draft_tokens is the depth.
+    draft_tree_top_k: int = 1
+    # Most drafted tokens per verify pass of a tree (nodes of all branches together); needs >= max_draft_tokens.
+    draft_tree_size: int = 16
+
+    # --- what a calibration tunes (defaults that work untuned) ---
     # With this, a chain judges its next draft by the product of the head's top probabilities along the chain so
     # far (its path probability, as a tree scores nodes) instead of by that draft's alone: long where the head is
     # sure draft after draft (a copy), short after two unsure ones.
@@ -27,27 +36,13 @@ class SelfSpecConfig:
     # K is the head's copy candidate for a match of 2 or more tokens (0: never past K). Copying text runs long and
     # is right far more often than free text, so one K cannot suit both (see draft_length.copy_budget).
     copy_draft_tokens: int = 0
-    # Draft trees (EAGLE-2 style): children expanded per node; 1 drafts a chain. max_draft_tokens is the depth.
-    draft_tree_top_k: int = 1
-    # Most drafted tokens per verify pass of a tree (nodes of all branches together); needs >= max_draft_tokens.
-    draft_tree_size: int = 16
-    # Which drafter proposes tokens: early_exit (default), ngram, hybrid, model, oracle, none.
-    drafter: str = "early_exit"
     # Prompt-lookup drafter: longest and shortest suffix n-gram to match.
     ngram_max: int = 3
     ngram_min: int = 1
-    # Hybrid drafter: a row drafts its n-gram continuation when its matched suffix has at least this many
-    # tokens (else the early-exit head drafts), and with hybrid_extend the head continues a short n-gram draft.
+    # Hybrid drafter: who drafts a row's step, by name (drafters/hybrid.py: lookup-first, lookup-then-head,
+    # lookup-when-unsure, lookup-when-copying), and the matched suffix length that makes a lookup strong.
+    hybrid_policy: str = "lookup-then-head"
     hybrid_min_match: int = 2
-    hybrid_extend: bool = True
-    # ...and with hybrid_fallback a row whose match is shorter drafts that match's continuation when the head is
-    # not confident enough to draft (instead of drafting nothing); in a tree, that match's branches join the
-    # head's tree.
-    hybrid_fallback: bool = False
-    # ...and with hybrid_rematch (chains) a row whose text, with the head's drafts so far, comes to end in a match of
-    # hybrid_min_match or more tokens (the head drafted the start of a copy) drafts the rest of that match's
-    # continuation by lookup, at no cost, instead of one head pass per token.
-    hybrid_rematch: bool = False
     # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
     metadata: dict = field(default_factory=dict)
 
@@ -78,11 +73,9 @@ class SelfSpecConfig:
                              f"tree as deep as a chain needs that many nodes), got {self.draft_tree_size!r}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
-        if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 1:
-            raise ValueError(f"hybrid_min_match must be an integer >= 1, got {self.hybrid_min_match!r}.")
-        for name in ("hybrid_fallback", "hybrid_rematch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+        from .drafters.hybrid import HybridPolicy  # late: the drafters import the engine, which imports this module
+
+        HybridPolicy(self.hybrid_policy, self.hybrid_min_match)  # raises naming the bad field
         # drafters that never run the early layers on their own (ngram, model, oracle, none) only use exit_layer
         # as the split of the verify pass, which any layer serves: the engine clamps it for them
         uses_exit = self.drafter in ("early_exit", "hybrid")
@@ -100,6 +93,11 @@ class SelfSpecConfig:
     def from_dict(cls, data: dict) -> "SelfSpecConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known - {"base_model", "base_model_path", "heads", "selfspec_version"}
+        flags = sorted(unknown & {"hybrid_extend", "hybrid_fallback", "hybrid_rematch"})
+        if flags:
+            raise ValueError(f"SelfSpecConfig fields {flags} are one named policy now: set hybrid_policy to "
+                             f"lookup-first, lookup-then-head, lookup-when-unsure or lookup-when-copying (each adds "
+                             f"one rule to the one before; drafters/hybrid.py) and drop them.")
         if unknown:
             raise ValueError(f"Unknown SelfSpecConfig fields {sorted(unknown)}; known fields: {sorted(known)}.")
         return cls(**{k: v for k, v in data.items() if k in known})

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import SlotTable, SpecCache
 from .distributed import agree_across_ranks
 from .draft_length import copy_budget, draft_budget
 from .drafters.base import Draft, Drafter
@@ -20,6 +19,7 @@ from .forward import StepContext, forward_early, forward_prompt, forward_remaind
 from .processing import PrefixProcessor
 from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling, verify_sampling_lazy
 from .trees import gather_inputs, input_depths, tree_ancestors, verify_tree_greedy, verify_tree_sampling
+from .view import DraftView
 
 
 @dataclass
@@ -91,7 +91,7 @@ class VerifyStep:
 
 
 class DecodeState:
-    """Per-call mutable state shared by the loop and the drafter."""
+    """Per-call mutable state of the loop; the drafter reads it through `view` (a DraftView) only."""
 
     def __init__(self, ctx: StepContext, input_ids, attention_mask, settings: DecodeSettings):
         self.ctx, self.settings = ctx, settings
@@ -122,6 +122,7 @@ class DecodeState:
         self.prompt_positions: torch.Tensor | None = None  # (B, T0) positions of the prompt tokens (prefill)
         self.prefill_exit_layer: int | None = None  # the layer whose input the prefill kept as the early states
         self.last_verify: VerifyStep | None = None  # what the latest verification pass saw (verify, rollback)
+        self.view = DraftView(self)  # what the drafter sees
 
     @property
     def adapter(self):
@@ -191,14 +192,30 @@ def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_
         ran = cache.layer_length(0) - cache.layer_length(top)  # host ints: no sync
         if ran != draft.hidden.shape[1]:  # verification writes layers [0, E) of the inputs after them next
             raise ValueError(f"Drafter {name!r} left {ran} inputs of this step in layers [0, {exit_layer}) of the "
-                             f"cache but handed over hidden states for {draft.hidden.shape[1]}: a drafter that runs "
-                             f"inputs it does not hand over must cut them (cache.rollback) before it returns.")
+                             f"cache but handed over hidden states for {draft.hidden.shape[1]}: a drafter hands "
+                             f"over the states of every input it runs through view.run_early, in order.")
     if draft.parents is not None:
         _check_tree(state, name, draft)
     elif tokens.shape[1]:
         state.write_drafts(tokens)  # a tree's nodes are no prefix of anything: its accepted path is written later
     draft_len = draft.draft_len.clamp(0, tokens.shape[1]).masked_fill(state.finished, 0)
     return dataclasses.replace(draft, draft_len=draft_len)
+
+
+# the loop's tensors a drafter can reach through its view; none of them may change during a drafter call
+GUARDED = ("seq", "seq_len", "pending", "pos", "finished")
+
+
+def guarded(state: DecodeState, drafter: Drafter, hook, *args):
+    """Call a drafter hook (begin, propose, accepted) with the state's read-only view, and refuse a drafter that
+    wrote one of the loop's tensors in place meanwhile (a version counter per tensor: no device sync)."""
+    before = [getattr(state, name)._version for name in GUARDED]
+    out = hook(state.view, *args)
+    for name, version in zip(GUARDED, before):
+        if getattr(state, name)._version != version:
+            raise RuntimeError(f"Drafter {drafter.name!r} wrote the loop's `{name}` in place: a drafter returns its "
+                               f"tokens in a Draft and keeps its own state on itself; the loop writes the sequence.")
+    return out
 
 
 def _check_tree(state: DecodeState, name: str, draft: Draft) -> None:
@@ -431,7 +448,7 @@ def _decode_steps(ctx, drafter, state, settings, stats) -> None:
     first = agree_across_ranks(torch.zeros_like(first), first, step=0)[1]
     step = emit(state, Draft.empty(state.batch, state.device), torch.zeros_like(first), first, logits)
     rollback_noop(state, first)
-    drafter.begin(state)
+    guarded(state, drafter, drafter.begin)
     state.prompt_hidden = None  # read by begin only; a long prompt's (B, T0, H) states are not kept
     if settings.timed:
         _sync(state.device)
@@ -448,7 +465,7 @@ def _speculative_step(ctx, drafter, state, settings, stats) -> None:
     state.copy_k = copy_budget(settings.copy_draft_tokens, k, state.remaining())
     base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)  # the verified prefix
     t0 = time.perf_counter()
-    draft = take_draft(state, drafter, drafter.propose(state, k), k, settings.exit_layer)
+    draft = take_draft(state, drafter, guarded(state, drafter, drafter.propose, k), k, settings.exit_layer)
     if settings.timed:
         _sync(state.device)
     t1 = time.perf_counter()
@@ -456,7 +473,7 @@ def _speculative_step(ctx, drafter, state, settings, stats) -> None:
     draft, logits, n, token = choose(state, draft, hidden, base)
     step = emit(state, draft, n, token, logits)
     rollback(state, draft, n, token, base, step.accepted)
-    drafter.accepted(state, draft, n)
+    guarded(state, drafter, drafter.accepted, draft, n)
     if settings.timed:
         _sync(state.device)
     stats.draft_seconds += t1 - t0

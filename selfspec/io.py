@@ -2,6 +2,7 @@
 the base model's identity so that heads never load silently onto a model they were not trained for."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -82,7 +83,7 @@ def save_engine(engine, directory: str) -> str:
 
 # Attributes of the built-in drafters that a config field sets under another name.
 _CONFIG_FIELD_OF = {"threshold": "draft_confidence_threshold", "min_match": "hybrid_min_match",
-                    "extend": "hybrid_extend", "fallback": "hybrid_fallback", "rematch": "hybrid_rematch"}
+                    "name": "hybrid_policy"}
 
 
 def check_drafter_saveable(engine) -> None:
@@ -145,6 +146,11 @@ def _drafter_differences(used, rebuilt, path: str = "") -> list[tuple[str, objec
             if not _same_module(value, other):
                 out.append((f"{where}: a {type(value).__name__} the engine does not hold (its heads are what is "
                             f"saved)", value))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a policy: field by field
+            for f in dataclasses.fields(value):
+                mine, theirs = getattr(value, f.name), getattr(other, f.name, None)
+                if mine != theirs:
+                    out.append((f"{where}.{f.name}: {mine!r} in the drafter object, {theirs!r} from the config", mine))
         elif isinstance(value, (bool, int, float, str)) and value != other:
             out.append((f"{where}: {value!r} in the drafter object, {other!r} from the config", value))
     return out

@@ -2,8 +2,9 @@
 `from_pretrained`), `selfspec.load(name)` -> (wrapped model, tokenizer)."""
 from __future__ import annotations
 
+import dis
 import os
-import warnings
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -50,42 +51,16 @@ def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto
 
 def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
                     pack_weights: bool | None = None, **overrides):
-    """The wrapped model (arguments as for `load`); `selfspec.load` returns its tokenizer too.
-
-    selfspec 0.1 returned (model, tokenizer). Until 0.3 `model, tok = selfspec.from_pretrained(...)` still works,
-    with a DeprecationWarning: the returned model can be unpacked into itself and its tokenizer.
-    """
-    model, tokenizer = load(name_or_dir, heads=heads, dtype=dtype, device=device, pack_weights=pack_weights,
-                            **overrides)
-    return _allow_legacy_unpacking(model, tokenizer)
+    """The wrapped model (arguments as for `load`); `selfspec.load` returns its tokenizer too."""
+    if _result_is_unpacked(sys._getframe(1)):
+        raise TypeError("selfspec.from_pretrained returns the model only, like every from_pretrained; for the model "
+                        "and its tokenizer call `model, tokenizer = selfspec.load(name)`.")
+    return load(name_or_dir, heads=heads, dtype=dtype, device=device, pack_weights=pack_weights, **overrides)[0]
 
 
-# --- deprecated (remove in 0.3): `model, tok = selfspec.from_pretrained(...)` -------------------------------------
-_LEGACY_MESSAGE = ("selfspec.from_pretrained returns the model only, like every from_pretrained; unpacking it into "
-                   "(model, tokenizer) is deprecated and stops working in selfspec 0.3. Use "
-                   "`model, tok = selfspec.load(name)` or `model = selfspec.from_pretrained(name)`.")
-
-
-class _LegacyUnpacking:
-    """Mixed into the returned model's class: iterating the model yields (model, tokenizer) with a warning. Nothing
-    else changes (same class name, module, methods, parameters; `generate` stays the wrapped one)."""
-
-    def __iter__(self):
-        warnings.warn(_LEGACY_MESSAGE, DeprecationWarning, stacklevel=2)
-        return iter((self, self.__dict__["_selfspec_legacy_tokenizer"]))
-
-
-_LEGACY_CLASSES: dict[type, type] = {}
-
-
-def _allow_legacy_unpacking(model, tokenizer):
-    cls = type(model)
-    if "__iter__" in dir(cls) and not issubclass(cls, _LegacyUnpacking):
-        return model  # an iterable model class: leave it alone (unpacking would change its meaning)
-    if not issubclass(cls, _LegacyUnpacking):
-        if cls not in _LEGACY_CLASSES:
-            _LEGACY_CLASSES[cls] = type(cls.__name__, (_LegacyUnpacking, cls),
-                                        {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        model.__class__ = _LEGACY_CLASSES[cls]
-    model.__dict__["_selfspec_legacy_tokenizer"] = tokenizer
-    return model
+def _result_is_unpacked(frame) -> bool:
+    """Whether the caller unpacks the value of the call it is making (`a, b = f(...)`): its next instruction is
+    UNPACK_SEQUENCE. A model is no sequence, so without this the unpacking would fail only after the model loaded,
+    with Python's "cannot unpack non-iterable" and no word of `load`."""
+    after = (i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti)
+    return next((i.opname for i in after), None) == "UNPACK_SEQUENCE"

@@ -75,6 +75,15 @@ class SelfSpecEngine:
         return (tok if tok is not None else self.tokenizer,
                 draft_tok if draft_tok is not None else self.draft_tokenizer)
 
+    def call_settings(self, drafter: Drafter, settings: DecodeSettings) -> DecodeSettings:
+        """The one place where what a drafter declares on its class (Drafter: uses_early_layers and exit_layer,
+        runs_copies, drafts_trees) meets the config: the call's draft length, copy runs, split layer and tree
+        shape, each refused or fallen back from in one line where the drafter cannot do what the config asks."""
+        trees = self.tree_settings(drafter, settings)
+        return dataclasses.replace(settings, max_draft_tokens=self.config.max_draft_tokens,
+                                   copy_draft_tokens=self.copy_draft_tokens(drafter, bool(trees)),
+                                   exit_layer=self.split_layer(drafter), **trees)
+
     def split_layer(self, drafter: Drafter) -> int:
         """The layer E where verification switches from layers [0, E) to [E, L).
 
@@ -110,7 +119,7 @@ class SelfSpecEngine:
             return wanted
         what = "draft trees" if trees else f"the {drafter.name!r} drafter"
         warn_once(f"selfspec: copy_draft_tokens={wanted} lets the chains of a copy head and of the hybrid run past "
-                  f"K while they copy; {what} draft at most max_draft_tokens={k}.", stacklevel=4)
+                  f"K while they copy; {what} draft at most max_draft_tokens={k}.", stacklevel=5)
         return 0
 
     def tree_settings(self, drafter: Drafter, settings: DecodeSettings) -> dict:
@@ -129,7 +138,7 @@ class SelfSpecEngine:
                       settings.processors.processors) + "), which differs from branch to branch of a tree")
         else:
             return {"tree_top_k": top_k, "tree_size": self.config.draft_tree_size}
-        warn_once(f"selfspec: {reason}; drafting chains instead of trees (draft_tree_top_k={top_k}).", stacklevel=3)
+        warn_once(f"selfspec: {reason}; drafting chains instead of trees (draft_tree_top_k={top_k}).", stacklevel=4)
         return {}
 
     # --- decoding --------------------------------------------------------------------------------
@@ -146,10 +155,7 @@ class SelfSpecEngine:
             drafter = self.build_drafter()
         finally:
             self._call_tokenizers = (None, None)
-        trees = self.tree_settings(drafter, settings)
-        settings = dataclasses.replace(settings, max_draft_tokens=self.config.max_draft_tokens,
-                                       copy_draft_tokens=self.copy_draft_tokens(drafter, bool(trees)),
-                                       exit_layer=self.split_layer(drafter), **trees)
+        settings = self.call_settings(drafter, settings)
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)
@@ -272,7 +278,7 @@ def _drafter_object_fields(drafter: Drafter, overrides: dict) -> dict:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{type(drafter).__name__} needs a `name` (a class attribute naming the drafter).")
     fields = {"drafter": name}
-    layer = getattr(drafter, "exit_layer", None)
+    layer = drafter.exit_layer
     if drafter.uses_early_layers and isinstance(layer, int):
         given = overrides.get("exit_layer")
         if given is not None and given != layer:

@@ -310,14 +310,12 @@ def test_hybrid_trees_join_the_study(tmp_path):
     "hybrid-tree", which the bench's selfspec-hybrid-tree reads."""
     model = make_model("llama", 4, agreeable=False)
     spec = _spec(drafter=["hybrid"], exit_layer=[2], max_draft_tokens=[3], draft_tree_top_k=[1, 2],
-                 draft_tree_size=[4], hybrid_min_match=[1], hybrid_extend=[False], hybrid_fallback=[False],
-                 hybrid_rematch=[True])
+                 draft_tree_size=[4], hybrid_min_match=[1], hybrid_policy=["lookup-when-copying"])
     result = calibrate(model, _prompts(2), spec, output=str(tmp_path), trials=4, **QUIET)
     assert result.report["all_outputs_match_plain"], result.report["trials"]
     per = json.load(open(tmp_path / "selfspec_config.json"))["metadata"]["calibration"]["per_drafter"]
     assert per["hybrid-tree"]["draft_tree_top_k"] == 2 and per["hybrid"]["draft_tree_top_k"] == 1, per
-    # rematch is a chain's knob: searched for the hybrid's chains only
-    assert per["hybrid"]["hybrid_rematch"] is True and "hybrid_rematch" not in per["hybrid-tree"], per
+    assert per["hybrid"]["hybrid_policy"] == per["hybrid-tree"]["hybrid_policy"] == "lookup-when-copying", per
     for params in per.values():
         selfspec.SelfSpecConfig(**params).validate(num_layers=4)
 
@@ -481,9 +479,8 @@ def test_a_study_refuses_another_decoding(tmp_path):
     ({"drafter": ["early_exit", "magic"]}, r"space.drafter must list"),
     ({"draft_tree_top_k": [0, 2]}, r"draft_tree_top_k must be >= 1"),
     ({"draft_tree_size": {"min": 1, "max": 4}}, r"draft_tree_size must be >= 2"),
-    ({"hybrid_extend": ["yes"]}, r"space.hybrid_extend must be true, false or a list of them"),
-    ({"hybrid_fallback": []}, r"space.hybrid_fallback must be true, false or a list of them"),
-    ({"hybrid_rematch": [1]}, r"space.hybrid_rematch must be true, false or a list of them"),
+    ({"hybrid_policy": ["lookup-first", "head-first"]}, r"space.hybrid_policy must be one or more of"),
+    ({"hybrid_policy": []}, r"space.hybrid_policy must be one or more of"),
     ({"draft_confidence_cumulative": "no"}, r"space.draft_confidence_cumulative must be true, false or a list"),
 ])
 def test_bad_space_fails_before_any_trial(tmp_path, space, message):
@@ -745,8 +742,8 @@ def test_the_space_files_seeds_are_measured_first(tmp_path):
     model = make_model("llama", 4, agreeable=False)
     selfspec.wrap(model, exit_layer=2)
     seed = {"drafter": "hybrid", "exit_layer": 1, "max_draft_tokens": 3, "draft_confidence_threshold": 0.0,
-            "ngram_max": 2, "hybrid_min_match": 1, "hybrid_extend": True, "hybrid_fallback": True,
-            "hybrid_rematch": False, "draft_confidence_cumulative": False}
+            "ngram_max": 2, "hybrid_min_match": 1, "hybrid_policy": "lookup-when-unsure",
+            "draft_confidence_cumulative": False}
     spec = _spec(exit_layer=[1, 2], drafter=["early_exit", "hybrid"])
     spec.search.enqueue, spec.search.enqueue_top = [seed], 1
     lines = []

@@ -349,11 +349,8 @@ def test_generate_sampling_with_temperature_alone(smollm2):
 
 
 @pytest.mark.slow
-def test_pipeline_and_legacy_unpacking(smollm2):
-    """selfspec.load -> (model, tokenizer) drives a pipeline; from_pretrained returns the model, and unpacking it
-    the old way still works for one release, with a DeprecationWarning."""
-    import warnings
-
+def test_pipeline_and_the_model_from_pretrained(smollm2):
+    """selfspec.load -> (model, tokenizer) drives a pipeline; from_pretrained returns the model, of its own class."""
     from transformers import pipeline
 
     import selfspec
@@ -368,31 +365,21 @@ def test_pipeline_and_legacy_unpacking(smollm2):
     assert type(only).__name__ == "LlamaForCausalLM" and hasattr(only, "selfspec")
     ids = tok("Hello", return_tensors="pt")["input_ids"]
     assert only.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
-    with pytest.warns(DeprecationWarning, match="selfspec.load"):
-        legacy_model, legacy_tok = selfspec.from_pretrained("smollm2-135m", dtype="float32")
-    assert legacy_model.selfspec is not None and legacy_tok("Hello")["input_ids"] == tok("Hello")["input_ids"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        selfspec.from_pretrained("smollm2-135m", dtype="float32")  # no warning unless unpacked
 
 
-def test_from_pretrained_returns_the_model_and_old_unpacking_warns(tiny):
-    import warnings
-
+def test_from_pretrained_returns_the_model_and_unpacking_it_names_load(tiny):
     import torch
+    from transformers import LlamaForCausalLM
 
     import selfspec
 
     model = selfspec.from_pretrained(tiny, exit_layer=2)
-    assert type(model).__name__ == "LlamaForCausalLM" and model.selfspec.config.exit_layer == 2
+    assert type(model) is LlamaForCausalLM and model.selfspec.config.exit_layer == 2  # its own class, untouched
     ids = torch.tensor([[1, 5, 6, 7]])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # using the model raises no deprecation
-        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert model.selfspec.last_stats is not None and out.shape[1] <= ids.shape[1] + 4
-    with pytest.warns(DeprecationWarning, match=r"selfspec\.load"):
+    with pytest.raises(TypeError, match=r"returns the model only.*`model, tokenizer = selfspec\.load\(name\)`"):
         legacy, tok = selfspec.from_pretrained(tiny, exit_layer=2)
-    assert hasattr(legacy, "selfspec") and tok("w1")["input_ids"]
     pair = selfspec.load(tiny, exit_layer=2)
     assert isinstance(pair, tuple) and len(pair) == 2 and hasattr(pair[0], "selfspec")
 

@@ -136,8 +136,8 @@ def test_runs_asked_where_none_are_made_are_named(where):
 
 # --- the hybrid: its lookup continuations of 2+ token matches are copies, and run to copy_draft_tokens ------------
 HYBRIDS = {  # K=1: every draft past the first is a run
-    "extend": dict(hybrid_min_match=2, hybrid_extend=True, hybrid_fallback=True, draft_confidence_threshold=0.2),
-    "rematch": dict(hybrid_min_match=3, ngram_max=3, hybrid_extend=False, hybrid_rematch=True),
+    "extend": dict(hybrid_min_match=2, hybrid_policy="lookup-when-unsure", draft_confidence_threshold=0.2),
+    "rematch": dict(hybrid_min_match=3, ngram_max=3, hybrid_policy="lookup-when-copying"),
 }
 
 

@@ -106,13 +106,11 @@ def test_more_drafts_than_asked_are_refused(model):
 def test_inputs_left_in_the_early_layers_without_their_states_are_refused(model):
     """A drafter that runs one more input through layers [0, E) than it hands over states for would make the
     verifier write the next input's KV one slot late: the loop refuses it with one line that says what to cut."""
-    from selfspec.forward import forward_early
-
     class RunsAheadDrafter(EarlyExitDrafter):
-        def propose(self, state, k):
-            draft = super().propose(state, k)
+        def propose(self, view, k):
+            draft = super().propose(view, k)
             if draft.k:  # the first draft runs through [0, E) once more, and nothing hands its state over
-                forward_early(state.ctx, draft.tokens[:, :1], state.pos[:, None] + draft.hidden.shape[1], 2)
+                view.run_early(draft.tokens[:, :1], view.pos[:, None] + draft.hidden.shape[1], 2)
             return draft
 
     selfspec.wrap(model, drafter=RunsAheadDrafter(ExitHead(2)), exit_layer=2, max_draft_tokens=3)
@@ -132,6 +130,55 @@ def test_an_early_exit_drafter_built_by_hand_takes_a_rule_or_a_bare_threshold():
     assert by_number.rule == ConfidenceRule(0.3) and by_number.threshold == 0.3
     by_rule = EarlyExitDrafter(ExitHead(2), ConfidenceRule(0.2, cumulative=True))
     assert by_rule.rule.cumulative and by_rule.threshold == 0.2
+
+
+class WritesTheSequence(RepeatLastDrafter):
+    """Proposes as RepeatLastDrafter does, after writing its drafts into the loop's token buffer itself."""
+
+    name = "writes-the-sequence"
+
+    def propose(self, view, k):
+        draft = super().propose(view, k)
+        cols = view.seq_len[:, None] + torch.arange(k)[None, :]
+        view.seq.scatter_(1, cols, draft.tokens)
+        return draft
+
+
+class SetsTheLength(RepeatLastDrafter):
+    name = "sets-the-length"
+
+    def propose(self, view, k):
+        view.seq_len = view.seq_len + 1
+        return super().propose(view, k)
+
+
+@pytest.mark.parametrize("drafter, error, message", [
+    (WritesTheSequence(), RuntimeError, r"Drafter 'writes-the-sequence' wrote the loop's `seq` in place: a drafter "
+                                        r"returns its tokens in a Draft"),
+    (SetsTheLength(), AttributeError, r"DraftView is read-only \(tried to set 'seq_len'\)"),
+])
+def test_a_drafter_that_writes_the_loops_state_is_refused(model, drafter, error, message):
+    selfspec.wrap(model, drafter=drafter, max_draft_tokens=3)
+    try:
+        with pytest.raises(error, match=message):
+            _plain(model, prompt(seed=1, length=6))
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_no_drafter_module_reaches_past_its_view():
+    """The modules under selfspec/drafters read the loop through DraftView only: none writes drafts into the
+    sequence, holds the loop's step context (its cache and slot table) or opens the view's state."""
+    import pathlib
+    import re
+
+    import selfspec.drafters
+
+    root = pathlib.Path(selfspec.drafters.__file__).parent
+    reach = re.compile(r"write_drafts|\bctx\b|\._state\b|DecodeState")
+    found = [f"{path.name}:{i}: {line.strip()}" for path in sorted(root.glob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
+    assert not found, found
 
 
 def test_every_decode_state_field_is_set_in_init(monkeypatch):

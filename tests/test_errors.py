@@ -64,11 +64,20 @@ def test_unknown_config_field():
         selfspec.wrap(make_model("llama", 4), exit_layr=2)
 
 
-@pytest.mark.parametrize("field", ["hybrid_fallback", "draft_confidence_cumulative"])
-def test_switches_must_be_bools(field):
+def test_switches_must_be_bools():
     """A YAML or JSON "yes"/"no" string would otherwise read as true."""
-    with pytest.raises(ValueError, match=f"{field} must be true or false, got 'no'"):
-        selfspec.wrap(make_model("llama", 4), exit_layer=1, drafter="hybrid", **{field: "no"})
+    with pytest.raises(ValueError, match="draft_confidence_cumulative must be true or false, got 'no'"):
+        selfspec.wrap(make_model("llama", 4), exit_layer=1, drafter="hybrid", draft_confidence_cumulative="no")
+
+
+def test_hybrid_policy_is_one_of_the_named_ones():
+    with pytest.raises(ValueError, match=r"hybrid_policy must be one of \['lookup-first', .*got 'head-first'"):
+        selfspec.wrap(make_model("llama", 4), exit_layer=1, drafter="hybrid", hybrid_policy="head-first")
+
+
+def test_the_hybrids_former_flags_name_the_policy_that_replaced_them():
+    with pytest.raises(ValueError, match=r"\['hybrid_extend'\] are one named policy now: set hybrid_policy to"):
+        selfspec.SelfSpecConfig.from_dict({"drafter": "hybrid", "hybrid_extend": True})
 
 
 @pytest.mark.parametrize("bad", [-1, 17, "5", True, 2.0])

@@ -101,7 +101,7 @@ class CacheInvariant:
         propose, accepted = drafter.propose, drafter.accepted
 
         def checked_propose(state, *args, **kwargs):
-            self.base = state.ctx.cache.layer_length(state.adapter.num_layers - 1)  # the verified prefix
+            self.base = state.verified_len
             return propose(state, *args, **kwargs)
 
         def checked_accepted(state, draft, n, *args, **kwargs):
@@ -115,7 +115,7 @@ class CacheInvariant:
 
     @torch.no_grad()
     def check(self, state, n: torch.Tensor) -> None:
-        ctx, layers = state.ctx, state.adapter.num_layers
+        ctx, layers = state._state.ctx, state.adapter.num_layers  # the loop's own cache, behind the view
         lengths = [ctx.cache.layer_length(i) for i in range(layers)]
         expected = self.base + int(n.max()) + 1
         if lengths != [expected] * layers:

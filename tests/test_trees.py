@@ -148,18 +148,16 @@ def _grown(probs_per_level: list[list[float]], threshold: float, top_k: int = 3,
 
     run = []
 
-    def run_level(inputs, positions, parents):  # (1, F) -> states (1, F, 4), logits (1, F, V)
+    def run_level(inputs, positions, parents, tree):  # (1, F) -> states (1, F, 4), logits (1, F, V)
         level = len(run)
         run.append(inputs.shape[1])
         logp = torch.tensor(probs_per_level[level]).log()
         return torch.zeros(1, inputs.shape[1], 4), logp.expand(1, inputs.shape[1], -1)
 
-    slots = SimpleNamespace(tree=None)
     with torch.device("cpu"):
         state = SimpleNamespace(batch=1, device=torch.device("cpu"), pending=torch.tensor([0]), pos=torch.tensor([5]),
                                 finished=torch.tensor([False]), process=lambda x: x,
-                                is_eos=lambda t: torch.zeros_like(t, dtype=torch.bool),
-                                ctx=SimpleNamespace(slots=slots, cache=SimpleNamespace(layer_length=lambda layer: 0)))
+                                is_eos=lambda t: torch.zeros_like(t, dtype=torch.bool))
         draft = grow_tree(state, run_level, depth, top_k, size, threshold)
     return run, draft.tokens.shape[1]
 
@@ -281,7 +279,7 @@ def test_a_top_reading_head_reads_each_tree_nodes_parent():
     states at depth 2 equal the chain's along each branch (node 3 hangs under node 1, node 4 under node 2)."""
     from types import SimpleNamespace
 
-    from selfspec.drafters.early_exit import TopStates
+    from selfspec.head_state import TopStates
 
     model = make_model("llama", 4)
     selfspec.wrap(model, exit_layer=2)

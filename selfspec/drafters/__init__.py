@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import ConfidenceRule, Draft, Drafter
+from .base import ConfidenceRule, Draft, Drafter, DraftView
 from .early_exit import EarlyExitDrafter
 from .oracle import OracleDrafter
 from .oracle import from_engine as _oracle_from_engine
-from .hybrid import HybridDrafter
+from .hybrid import HybridChainDrafter, HybridPolicy, HybridTreeDrafter
 from .hybrid import from_engine as _hybrid_from_engine
 from .model import DraftModelDrafter
 from .model import from_engine as _model_from_engine
@@ -36,5 +36,5 @@ def build_drafter(engine) -> Drafter:
     return DRAFTER_FACTORIES[name](engine)
 
 
-__all__ = ["ConfidenceRule", "Draft", "Drafter", "EarlyExitDrafter", "build_drafter", "register_drafter",
-           "DRAFTER_FACTORIES"]
+__all__ = ["ConfidenceRule", "Draft", "Drafter", "DraftView", "EarlyExitDrafter", "HybridChainDrafter",
+           "HybridPolicy", "HybridTreeDrafter", "build_drafter", "register_drafter", "DRAFTER_FACTORIES"]

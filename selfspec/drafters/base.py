@@ -1,4 +1,10 @@
-"""The drafter interface: `propose(state, k) -> Draft`, then `accepted(state, n)` after verification."""
+"""The drafter contract: a drafter sees a read-only `DraftView` of the decode call and returns a `Draft`.
+
+`propose(view, k) -> Draft` proposes; `begin(view)` and `accepted(view, draft, n)` let a drafter keep state of its
+own (a draft model's cache, a head's attention cache) in step with what the verifier accepted. The loop alone
+writes the sequence, the positions and the verified cache (decoding.take_draft, emit, rollback); docs/design.md
+shows a drafter written against this contract.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +13,7 @@ import torch
 
 from ..heads import DraftLogits
 from ..sampling import logits_to_probs, sample
+from ..view import DraftView
 
 
 @dataclass
@@ -36,19 +43,23 @@ class Draft:
 
 class Drafter:
     """Proposes tokens for the verifier. Subclasses override `propose`; `begin`/`accepted` are hooks for drafters
-    with state of their own (a draft model's cache, a head's attention cache).
+    with state of their own (a draft model's cache, a head's attention cache). Each receives a DraftView.
 
     A drafter only proposes: the loop writes the proposed tokens into the sequence, masks rows that have
-    finished and checks that hidden states come from the layer it verifies from (decoding.take_draft). A drafter
-    may still write its drafts early (state.write_drafts) so that logits processors reading the prefix see them
-    while it drafts the next one; nothing else relies on that.
+    finished and checks that hidden states come from the layer it verifies from (decoding.take_draft). Logits
+    processors see a drafter's earlier drafts through `view.process(logits, drafts)`.
 
-    A drafter with `drafts_trees` proposes a tree (Draft.parents) when state.settings.tree_top_k > 1; the engine
-    asks only drafters that say so, and falls back to chains with a warning for the rest."""
+    What a drafter needs is declared on its class (the attributes below) and read by the engine in one place
+    (wrap.SelfSpecEngine.call_settings). A drafter with `drafts_trees` proposes a tree (Draft.parents) when
+    view.settings.tree_top_k > 1; the engine asks only drafters that say so, and falls back to chains with a
+    warning for the rest."""
 
     name = "none"
+    # Whether it runs layers [0, exit_layer) itself (view.run_early) and hands their states over: the verifier
+    # then starts from its `exit_layer`, which must be a layer of the model.
     uses_early_layers = False
-    # Whether `begin` reads state.prompt_hidden, the (B, T0, H) layer-E and final states of the prompt; the loop
+    exit_layer: int | None = None
+    # Whether `begin` reads view.prompt_hidden, the (B, T0, H) layer-E and final states of the prompt; the loop
     # keeps them through prefill only for drafters that say so.
     needs_prompt_hidden = False
     drafts_trees = False
@@ -61,13 +72,14 @@ class Drafter:
         without a copy lookup), or None. Drafters that never copy have nothing missing: they simply do not run."""
         return None
 
-    def begin(self, state) -> None:
+    def begin(self, view: DraftView) -> None:
         """Called once after prefill."""
 
-    def propose(self, state, k: int) -> Draft:
-        return Draft.empty(state.batch, state.device)
+    def propose(self, view: DraftView, k: int) -> Draft:
+        """Up to k tokens per row (a chain), or a tree of at most view.settings.tree_size nodes and k levels."""
+        return Draft.empty(view.batch, view.device)
 
-    def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
+    def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor) -> None:
         """Called after verification and rollback; n (B,) drafts accepted per row."""
 
 
@@ -95,21 +107,21 @@ class ConfidenceRule:
         return confidence >= self.threshold
 
 
-def choose_draft(state, logits, column: int, scored: bool = False):
+def choose_draft(view, logits, drafts, scored: bool = False):
     """The draft step of every drafter that scores the vocabulary: a drafter's raw (B, V) logits (or a head's
-    heads.DraftLogits) for draft column `column` go through the loop's logits processors (the prefix they read ends
-    with the drafts of the earlier columns), then each row takes a sample of the processed distribution when
-    sampling, else its argmax.
+    heads.DraftLogits) for the draft after `drafts` (the row's drafts before it: (B, w), or a list of w (B,)
+    tensors) go through the loop's logits processors (view.process), then each row takes a sample of the processed
+    distribution when sampling, else its argmax.
 
     Returns (token (B,), probs, top): probs (B, V) is the processed distribution (the q of rejection sampling),
     computed when sampling (and for plain logits when `scored`), else None; top (B,) is its top probability when
     `scored` (what a ConfidenceRule judges), else None."""
     if isinstance(logits, DraftLogits):
-        if not state.do_sample and not state.settings.processors:  # nothing reads the columns a head never scores
+        if not view.do_sample and not view.settings.processors:  # nothing reads the columns a head never scores
             token, top = logits.greedy()
             return token, None, top if scored else None
         logits = logits.full()
-    logits = state.process(logits[:, None], offset=column)[:, 0]
-    probs = logits_to_probs(logits) if (state.do_sample or scored) else None
-    token = sample(probs) if state.do_sample else logits.argmax(dim=-1)
+    logits = view.process(logits[:, None], drafts)[:, 0]
+    probs = logits_to_probs(logits) if (view.do_sample or scored) else None
+    token = sample(probs) if view.do_sample else logits.argmax(dim=-1)
     return token, probs, probs.max(dim=-1).values if scored else None

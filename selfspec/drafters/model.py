@@ -5,7 +5,7 @@ The draft model keeps a cache of its own (a `SpecCache` + `SlotTable` in a `Step
 
 * `begin` prefills it with the prompt (same left padding, same positions as the verifier).
 * `propose` first feeds what the verifier has emitted since the draft model last saw the row (`fed` (B,) says how
-  far into `state.seq` it has read): always the pending token, plus the last draft of the previous step when all
+  far into `view.seq` it has read): always the pending token, plus the last draft of the previous step when all
   drafts were accepted (the draft model proposes d_k without ever feeding it). Rows need different numbers of
   catch-up tokens, so they are fed as one right-aligned (B, U) block whose missing left entries are holes
   (slot position -1), the same trick the engine uses for left padding. Then it drafts k tokens autoregressively,
@@ -13,7 +13,7 @@ The draft model keeps a cache of its own (a `SpecCache` + `SlotTable` in a `Step
 * `accepted` keeps, per row, the catch-up block and the first min(n, fed drafts) draft slots; the rest become
   holes and the cache is cut back to the longest row, exactly like the verifier's own rollback.
 
-q is the draft model's distribution after the same logits processors as the target (`state.process`) when
+q is the draft model's distribution after the same logits processors as the target (`view.process`) when
 sampling, so that rejection sampling is exact; greedy decoding drafts the processed argmax with q = None.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ class _Step:
     base: int  # draft-cache length before this step
     block: int  # width U of the catch-up block
     fed_drafts: int  # drafts d_1.. fed after the block
-    seq_len: torch.Tensor  # (B,) state.seq_len when proposing (the pending token sits at seq_len - 1)
+    seq_len: torch.Tensor  # (B,) view.seq_len when proposing (the pending token sits at seq_len - 1)
 
 
 class DraftModelDrafter(Drafter):
@@ -125,8 +125,8 @@ class DraftModelDrafter(Drafter):
         # ids the draft model can embed; the target's vocabulary size (set in begin): the two may differ by padding
         self.embed_rows = draft_model.get_input_embeddings().weight.shape[0]
         self.vocab: int | None = None
-        self.ctx: StepContext | None = None
-        self.fed: torch.Tensor | None = None  # (B,) tokens of state.seq the draft cache holds, per row
+        self.draft_ctx: StepContext | None = None
+        self.fed: torch.Tensor | None = None  # (B,) tokens of view.seq the draft cache holds, per row
         self.step: _Step | None = None
 
     # --- the draft model's own forward ----------------------------------------------------------------------
@@ -139,68 +139,68 @@ class DraftModelDrafter(Drafter):
     def _run(self, ids, positions, slot_positions=None) -> torch.Tensor:
         """All layers of the draft model on (B, T) tokens -> (B, T, V) float32 logits on the target's device."""
         dev = self.device
-        hidden = forward_early(self.ctx, self._embeddable(ids), positions.to(dev), self.adapter.num_layers,
+        hidden = forward_early(self.draft_ctx, self._embeddable(ids), positions.to(dev), self.adapter.num_layers,
                                None if slot_positions is None else slot_positions.to(dev)).hidden
         logits = self.adapter.logits(self.adapter.final_norm(hidden[:, -1:])).float().to(ids.device)
         return _fit_vocab(logits, self.vocab)
 
-    def begin(self, state) -> None:
-        self.vocab = state.vocab_size
-        self.ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers), SlotTable(state.batch, self.device))
-        mask = None if state.mask is None else state.mask.to(self.device)
+    def begin(self, view) -> None:
+        self.vocab = view.vocab_size
+        self.draft_ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
+                                     SlotTable(view.batch, self.device))
+        mask = None if view.mask is None else view.mask.to(self.device)
         # the prompt enters the draft cache as it enters the verifier's: same positions, padding as holes
-        forward_prompt(self.ctx, self._embeddable(state.seq[:, : state.prompt_len]), mask, self.adapter.num_layers)
-        self.fed = torch.full_like(state.seq_len, state.prompt_len)
+        forward_prompt(self.draft_ctx, self._embeddable(view.seq[:, : view.prompt_len]), mask, self.adapter.num_layers)
+        self.fed = torch.full_like(view.seq_len, view.prompt_len)
         self.step = None
 
-    def _catch_up(self, state) -> tuple[torch.Tensor, int]:
+    def _catch_up(self, view) -> tuple[torch.Tensor, int]:
         """Feed each row's unseen verified tokens (ending with the pending one) as one right-aligned block.
         Returns the (B, V) logits after the block and its width U."""
-        unseen = (state.seq_len - self.fed).masked_fill(state.finished, 1).clamp(min=1)
+        unseen = (view.seq_len - self.fed).masked_fill(view.finished, 1).clamp(min=1)
         width = int(unseen.max())
-        j = torch.arange(width, device=state.device)[None, :]
-        index = state.seq_len[:, None] - width + j  # (B, U) right-aligned: the last column is the pending token
-        positions = state.pos[:, None] - (width - 1) + j
-        hole = (index < (state.seq_len - unseen)[:, None]) | state.finished[:, None]
-        ids = state.seq.gather(1, index.clamp(min=0))
+        j = torch.arange(width, device=view.device)[None, :]
+        index = view.seq_len[:, None] - width + j  # (B, U) right-aligned: the last column is the pending token
+        positions = view.pos[:, None] - (width - 1) + j
+        hole = (index < (view.seq_len - unseen)[:, None]) | view.finished[:, None]
+        ids = view.seq.gather(1, index.clamp(min=0))
         slot_positions = positions.masked_fill(hole, -1)
         return self._run(ids, positions.clamp(min=0), slot_positions)[:, -1], width
 
-    def propose(self, state, k: int) -> Draft:
+    def propose(self, view, k: int) -> Draft:
         if k == 0:
             self.step = None
-            return Draft.empty(state.batch, state.device)
-        base = self.ctx.cache.layer_length(0)
-        logits, width = self._catch_up(state)
-        active = ~state.finished
-        draft_len = torch.zeros_like(state.seq_len)
+            return Draft.empty(view.batch, view.device)
+        base = self.draft_ctx.cache.layer_length(0)
+        logits, width = self._catch_up(view)
+        active = ~view.finished
+        draft_len = torch.zeros_like(view.seq_len)
         tokens, qs = [], []
         fed_drafts = 0
         for j in range(k):
-            token, probs, _ = choose_draft(state, logits, j)
+            token, probs, _ = choose_draft(view, logits, tokens)
             draft_len += active.long()
-            active = active & ~state.is_eos(token)  # nothing is drafted after an EOS
+            active = active & ~view.is_eos(token)  # nothing is drafted after an EOS
             tokens.append(token)
             if probs is not None:
                 qs.append(probs)
-            state.write_drafts(token[:, None], start=j)
             if j + 1 == k or not bool(active.any()):
                 break
-            logits = self._run(token[:, None], state.pos[:, None] + j + 1)[:, -1]
+            logits = self._run(token[:, None], view.pos[:, None] + j + 1)[:, -1]
             fed_drafts += 1
-        self.step = _Step(base, width, fed_drafts, state.seq_len.clone())
+        self.step = _Step(base, width, fed_drafts, view.seq_len.clone())
         return Draft(tokens=torch.stack(tokens, dim=1), draft_len=draft_len,
                      q=torch.stack(qs, dim=1) if qs else None)
 
-    def accepted(self, state, draft: Draft, n: torch.Tensor) -> None:
+    def accepted(self, view, draft: Draft, n: torch.Tensor) -> None:
         step = self.step
         if step is None:
             return
         keep = torch.minimum(n, torch.full_like(n, step.fed_drafts)).to(self.device)
         start = step.base + step.block
-        self.ctx.slots.keep_prefix(start, keep, start + step.fed_drafts)
-        self.ctx.cache.rollback(start + int(keep.max()))
-        self.fed = step.seq_len + keep.to(state.device)
+        self.draft_ctx.slots.keep_prefix(start, keep, start + step.fed_drafts)
+        self.draft_ctx.cache.rollback(start + int(keep.max()))
+        self.fed = step.seq_len + keep.to(view.device)
         self.step = None
 
 

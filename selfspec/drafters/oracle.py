@@ -39,24 +39,21 @@ class OracleDrafter(Drafter):
     def from_rows(cls, rows: list[list[int]]) -> "OracleDrafter":
         return cls(*pad_targets(rows))
 
-    def begin(self, state) -> None:
-        if state.batch != self.targets.shape[0]:
+    def begin(self, view) -> None:
+        if view.batch != self.targets.shape[0]:
             raise ValueError(f"OracleDrafter holds {self.targets.shape[0]} reference rows but the batch has "
-                             f"{state.batch}; build it from the outputs of this very batch.")
-        self.targets = self.targets.to(state.device)
-        self.lengths = self.lengths.to(state.device)
+                             f"{view.batch}; build it from the outputs of this very batch.")
+        self.targets = self.targets.to(view.device)
+        self.lengths = self.lengths.to(view.device)
 
-    def propose(self, state, k: int) -> Draft:
-        generated = state.seq_len - state.prompt_len  # (B,) tokens emitted so far, the pending one included
-        draft_len = (self.lengths - generated).clamp(0, k).masked_fill(state.finished, 0)
+    def propose(self, view, k: int) -> Draft:
+        generated = view.seq_len - view.prompt_len  # (B,) tokens emitted so far, the pending one included
+        draft_len = (self.lengths - generated).clamp(0, k).masked_fill(view.finished, 0)
         width = int(draft_len.max()) if k else 0
         if width == 0:
-            return Draft.empty(state.batch, state.device)
-        cols = (generated[:, None] + torch.arange(width, device=state.device)).clamp(max=self.targets.shape[1] - 1)
-        tokens = self.targets.gather(1, cols)  # (B, width); columns past a row's draft_len are ignored
-        for j in range(width):
-            state.write_drafts(tokens[:, j : j + 1], start=j)  # processors reading the prefix must see the drafts
-        return Draft(tokens=tokens, draft_len=draft_len)
+            return Draft.empty(view.batch, view.device)
+        cols = (generated[:, None] + torch.arange(width, device=view.device)).clamp(max=self.targets.shape[1] - 1)
+        return Draft(tokens=self.targets.gather(1, cols), draft_len=draft_len)  # columns past draft_len: ignored
 
 
 def from_engine(engine) -> Drafter:

@@ -20,29 +20,29 @@ from ..trees import tree_ancestors
 from .base import Draft
 
 
-def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: float = 0.0) -> Draft:
-    """run_level(inputs (B, F), positions (B, F), parents (B, F) or None) -> (layer-E states (B, F, H), draft
-    logits (B, F, V) or a head's DraftLogits at (B, F)); parents are the inputs' parents' verify-input indices, None for the root.
+def grow_tree(view, run_level, depth: int, top_k: int, size: int, threshold: float = 0.0) -> Draft:
+    """run_level(inputs (B, F), positions (B, F), parents (B, F) or None, tree) -> (layer-E states (B, F, H), draft
+    logits (B, F, V) or a head's DraftLogits at (B, F)); parents are the inputs' parents' verify-input indices, None
+    for the root, and tree the ancestor matrix of the step's inputs so far (view.run_early masks with it).
     Returns a tree Draft of at most `size` nodes and `depth` levels per row (parents, hidden, no q).
 
     threshold: the chain's confidence rule for trees: a level runs only the children whose cumulative draft
     probability reaches it (as many as the row with most has), so growth stops once no row has one, and leaves
     below it are left out (likewise). A node below it is unlikely to be accepted and costs a slot in every level
     pass and in the verify pass, which on a CPU grow by about 5 % of a step per token."""
-    b, device = state.batch, state.device
-    slots, base = state.ctx.slots, state.ctx.cache.layer_length(0)
+    b, device = view.batch, view.device
     run_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
     run_parents = torch.empty_like(run_tokens)
-    frontier = state.pending[:, None]  # (B, F) tokens of the nodes to run next
+    frontier = view.pending[:, None]  # (B, F) tokens of the nodes to run next
     frontier_inputs = torch.zeros(b, 1, dtype=torch.long, device=device)  # their verify-input indices
     frontier_score = torch.zeros(b, 1, device=device)  # cumulative draft log-probability
     frontier_parents = None  # the root's parent is the verified prefix
     hiddens, leaves = [], []
     for level in range(1, depth + 1):
-        slots.tree = (base, tree_ancestors(run_parents, level))
-        hidden, logits = run_level(frontier, (state.pos[:, None] + (level - 1)).expand_as(frontier), frontier_parents)
+        positions = (view.pos[:, None] + (level - 1)).expand_as(frontier)
+        hidden, logits = run_level(frontier, positions, frontier_parents, tree_ancestors(run_parents, level))
         hiddens.append(hidden)
-        top_logp, top_tokens = ranked_children(state, logits, top_k)  # (B, F, top_k)
+        top_logp, top_tokens = ranked_children(view, logits, top_k)  # (B, F, top_k)
         score = (frontier_score[..., None] + top_logp).flatten(1)  # (B, F * top_k)
         tokens = top_tokens.flatten(1)
         parents = frontier_inputs[..., None].expand(-1, -1, top_k).flatten(1)
@@ -50,7 +50,7 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
         if width > 0:  # counting what reaches the threshold costs a device sync: not at the last level
             width = min(width, reaching(score, threshold))
         if width > 0:  # nothing is drafted after an EOS, so an EOS child is expanded last
-            pick = score.masked_fill(state.is_eos(tokens), float("-inf")).topk(width, dim=-1).indices
+            pick = score.masked_fill(view.is_eos(tokens), float("-inf")).topk(width, dim=-1).indices
             frontier, frontier_score = tokens.gather(1, pick), score.gather(1, pick)
             frontier_inputs = run_tokens.shape[1] + 1 + torch.arange(width, device=device)[None, :].expand(b, -1)
             run_tokens = torch.cat([run_tokens, frontier], dim=1)
@@ -60,21 +60,20 @@ def grow_tree(state, run_level, depth: int, top_k: int, size: int, threshold: fl
         leaves.append((tokens, parents, score))
         if width == 0:
             break
-    slots.tree = None  # the loop sets the whole tree's mask before it verifies
     tokens, parents = _with_best_leaves(run_tokens, run_parents, leaves, size, threshold)
-    draft_len = torch.full((b,), tokens.shape[1], dtype=torch.long, device=device).masked_fill(state.finished, 0)
+    draft_len = torch.full((b,), tokens.shape[1], dtype=torch.long, device=device).masked_fill(view.finished, 0)
     return Draft(tokens=tokens, draft_len=draft_len, hidden=torch.cat(hiddens, dim=1),
                  parents=parents if tokens.shape[1] else None)
 
 
-def ranked_children(state, logits, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked_children(view, logits, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A level's draft logits -> each node's top_k children: (log-probabilities, tokens) (B, F, top_k), best first.
     Without logits processors a head's DraftLogits ranks its own columns; otherwise the processed full rows."""
     if isinstance(logits, DraftLogits):
-        if not state.settings.processors:
+        if not view.settings.processors:
             return logits.top_k(top_k)
         logits = logits.full()
-    return torch.log_softmax(state.process(logits), dim=-1).topk(top_k, dim=-1)
+    return torch.log_softmax(view.process(logits), dim=-1).topk(top_k, dim=-1)
 
 
 def frontier_width(level: int, depth: int, top_k: int, size: int, run: int) -> int:

@@ -616,8 +616,7 @@ def engine_settings(config: SelfSpecConfig) -> str:
     if config.drafter in ("ngram", "hybrid"):
         parts.append(f"n-gram {config.ngram_min}..{config.ngram_max}")
     if config.drafter == "hybrid":
-        parts.append(f"min match {config.hybrid_min_match}{', extend' if config.hybrid_extend else ''}"
-                     f"{', fallback' if config.hybrid_fallback else ''}{', rematch' if config.hybrid_rematch else ''}")
+        parts.append(f"{config.hybrid_policy}, min match {config.hybrid_min_match}")
     return ", ".join(parts) if config.drafter != "none" else "no drafts"
 
 

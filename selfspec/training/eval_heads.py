@@ -167,7 +167,7 @@ class TopChain:
     pending token sits at r reads the final state at r - 1, each later draft the head's own estimate before it."""
 
     def __init__(self, head, adapter, states, text=None):
-        from selfspec.drafters.early_exit import TopStates
+        from selfspec.head_state import TopStates
         from selfspec.drafters.ngram import prefix_copy_candidates
 
         self.head, self.adapter, self.tops = head, adapter, TopStates()

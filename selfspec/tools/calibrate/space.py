@@ -38,9 +38,8 @@ class SpaceSpec:
     drafter: object = field(default_factory=lambda: ["early_exit", "ngram", "hybrid"])
     ngram_max: object = field(default_factory=lambda: {"min": 2, "max": 5})
     hybrid_min_match: object = field(default_factory=lambda: {"min": 1, "max": 4})
-    hybrid_extend: object = field(default_factory=lambda: [True, False])
-    hybrid_fallback: object = field(default_factory=lambda: [True, False])
-    hybrid_rematch: object = field(default_factory=lambda: [False])  # hybrid chains only
+    # named policies (drafters/hybrid.py); trees draft lookup-when-copying as lookup-when-unsure
+    hybrid_policy: object = field(default_factory=lambda: ["lookup-first", "lookup-then-head", "lookup-when-unsure"])
     # early_exit and hybrid: children per tree node (1 = chains; [1] alone searches no trees) and nodes per tree
     draft_tree_top_k: object = field(default_factory=lambda: [1])
     draft_tree_size: object = field(default_factory=lambda: {"min": 4, "max": 16, "step": 2})
@@ -174,9 +173,7 @@ class SearchSpace:
     drafters: list[str]
     ngram_max: list[int]
     hybrid_min_match: list[int] = field(default_factory=lambda: [2])
-    hybrid_extend: list[bool] = field(default_factory=lambda: [True])
-    hybrid_fallback: list[bool] = field(default_factory=lambda: [False])
-    hybrid_rematch: list[bool] = field(default_factory=lambda: [False])
+    hybrid_policy: list[str] = field(default_factory=lambda: ["lookup-then-head"])
     cumulative: list[bool] = field(default_factory=lambda: [False])  # draft_confidence_cumulative of chains
     copy_draft_tokens: list[int] = field(default_factory=lambda: [0])  # of early_exit and hybrid chains
     tree_top_k: list[int] = field(default_factory=lambda: [1])
@@ -243,7 +240,6 @@ def _threshold_range(value, source: str) -> tuple[float, float, float]:
 def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], registered) -> SearchSpace:
     """Check the space against the model and the registered drafters; raise ValueError naming the fix."""
     s, src = spec.space, spec.source
-    extend, fallback = _bools(s.hybrid_extend, "hybrid_extend", src), _bools(s.hybrid_fallback, "hybrid_fallback", src)
     return SearchSpace(
         exit_layers=_resolve_exits(s.exit_layer, num_layers, head_layers, src),
         max_draft_tokens=_int_range(s.max_draft_tokens, "max_draft_tokens", src),  # K >= 1 drafts per step
@@ -251,9 +247,7 @@ def resolve_space(spec: SearchSpec, num_layers: int, head_layers: list[int], reg
         drafters=_resolve_drafters(s.drafter, registered, src),
         ngram_max=_int_range(s.ngram_max, "ngram_max", src),
         hybrid_min_match=_int_range(s.hybrid_min_match, "hybrid_min_match", src),
-        hybrid_extend=extend,
-        hybrid_fallback=fallback,
-        hybrid_rematch=_bools(s.hybrid_rematch, "hybrid_rematch", src),
+        hybrid_policy=_policies(s.hybrid_policy, src),
         cumulative=_bools(s.draft_confidence_cumulative, "draft_confidence_cumulative", src),
         copy_draft_tokens=_int_range(s.copy_draft_tokens, "copy_draft_tokens", src, minimum=0),
         tree_top_k=_int_range(s.draft_tree_top_k, "draft_tree_top_k", src),
@@ -266,6 +260,17 @@ def _bools(value, name: str, source: str) -> list[bool]:
     if not values or not all(isinstance(v, bool) for v in values):
         raise ValueError(f"{source}: space.{name} must be true, false or a list of them, got {value!r}.")
     return sorted(set(values), reverse=True)
+
+
+def _policies(value, source: str) -> list[str]:
+    """The hybrid policies to search: a name or a list of names (drafters/hybrid.py POLICIES)."""
+    from ...drafters.hybrid import POLICIES
+
+    values = [value] if isinstance(value, str) else list(value or [])
+    bad = [v for v in values if v not in POLICIES]
+    if not values or bad:
+        raise ValueError(f"{source}: space.hybrid_policy must be one or more of {list(POLICIES)}, got {value!r}.")
+    return list(dict.fromkeys(values))
 
 
 def _resolve_exits(value, num_layers: int, head_layers: list[int], source: str) -> list[int]:
@@ -320,10 +325,7 @@ def suggest(trial, space: SearchSpace) -> dict:
         params["ngram_max"] = _suggest_from(trial, "ngram_max", space.ngram_max)
     if params["drafter"] == "hybrid":
         params["hybrid_min_match"] = _suggest_from(trial, "hybrid_min_match", space.hybrid_min_match)
-        params["hybrid_extend"] = trial.suggest_categorical("hybrid_extend", space.hybrid_extend)
-        params["hybrid_fallback"] = trial.suggest_categorical("hybrid_fallback", space.hybrid_fallback)
-        if params.get("draft_tree_top_k", 1) == 1:  # trees graft their lookups instead
-            params["hybrid_rematch"] = trial.suggest_categorical("hybrid_rematch", space.hybrid_rematch)
+        params["hybrid_policy"] = trial.suggest_categorical("hybrid_policy", space.hybrid_policy)
     return params
 
 
@@ -386,8 +388,7 @@ def in_space(params: dict, space: SearchSpace) -> bool:
     if params.get("drafter") not in space.drafters:
         return False
     allowed = {"max_draft_tokens": space.max_draft_tokens, "ngram_max": space.ngram_max,
-               "hybrid_min_match": space.hybrid_min_match, "hybrid_extend": space.hybrid_extend,
-               "hybrid_fallback": space.hybrid_fallback, "hybrid_rematch": space.hybrid_rematch,
+               "hybrid_min_match": space.hybrid_min_match, "hybrid_policy": space.hybrid_policy,
                "draft_confidence_cumulative": space.cumulative, "copy_draft_tokens": space.copy_draft_tokens,
                "draft_tree_top_k": space.tree_top_k,
                "draft_tree_size": space.tree_sizes}
@@ -409,8 +410,7 @@ def describe(params: dict) -> str:
     for key, short in (("exit_layer", "E"), ("max_draft_tokens", "K"), ("draft_confidence_threshold", "thr"),
                        ("draft_confidence_cumulative", "path"), ("copy_draft_tokens", "copy"),
                        ("draft_tree_top_k", "top_k"), ("draft_tree_size", "size"), ("ngram_max", "n"),
-                       ("hybrid_min_match", "match"), ("hybrid_extend", "extend"),
-                       ("hybrid_fallback", "fallback"), ("hybrid_rematch", "rematch")):
+                       ("hybrid_min_match", "match"), ("hybrid_policy", "policy")):
         if key in params and not (key == "copy_draft_tokens" and not params[key]):  # no runs past K: unsaid
             value = params[key]
             parts.append(f"{short}={value:.2f}" if isinstance(value, float) else f"{short}={value}")

@@ -181,8 +181,7 @@ def enqueue_predicted(study, predictor: Predictor | None, space: SearchSpace, to
         params["ngram_max"] = _nearest(space.ngram_max, 3)
         if drafter == "hybrid":
             params["hybrid_min_match"] = _nearest(space.hybrid_min_match, 2)
-            params["hybrid_extend"] = space.hybrid_extend[0]
-            params["hybrid_fallback"] = space.hybrid_fallback[0]
+            params["hybrid_policy"] = space.hybrid_policy[0]
         queued.append(params)
     enqueue_fresh(study, queued, "cost_model", "trials", log)
 

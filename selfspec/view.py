@@ -1,0 +1,122 @@
+"""The read-only view a drafter gets of the decode loop's state (drafters/base.py has the rest of the contract).
+
+The loop owns the sequence, the positions and the shared KV cache; a drafter reads them here and asks for the
+few things it may have done on its behalf: logits processed with its drafts as prefix, and its inputs run
+through layers [0, E) into the shared cache (the states it hands back spare the verifier those layers).
+"""
+from __future__ import annotations
+
+import torch
+
+from .forward import forward_early, run_module
+
+
+class DraftView:
+    """What a drafter sees of one decode call, read-only: the loop's tokens, lengths and positions, the states the
+    drafter asked for, and the few operations a drafter may run on the loop's behalf.
+
+    Tokens: `seq` (B, S) each row's left-padded prompt and output, `seq_len` (B,) its valid length (`lengths`, the
+    same on the host), `pending` (B,) the last emitted token, not yet in the cache, at position `pos` (B,);
+    `finished` (B,) rows that are done (`done` on the host); `mask` the prompt's attention mask or None.
+    Operations: `process` runs the logits processors on draft logits with the drafts before them as prefix;
+    `text_with` is each row's text followed by drafts; `run_early` runs inputs through layers [0, E) into the
+    shared cache (the verifier then skips those layers for them: Draft.hidden); `run_own_layer` runs a head's own
+    decoder layer against the loop's slot table.
+
+    Nothing else is written through it: assigning an attribute raises, and the loop refuses a drafter that
+    changed one of its tensors in place (decoding.guarded)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state):
+        object.__setattr__(self, "_state", state)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"DraftView is read-only (tried to set {name!r}): a drafter returns its proposal as a "
+                             f"Draft and keeps its own state on itself; the loop writes the sequence and the cache.")
+
+    # the loop's state, read through (the loop checks after every drafter call that its tensors are unchanged)
+    batch = property(lambda self: self._state.batch)
+    device = property(lambda self: self._state.device)
+    vocab_size = property(lambda self: self._state.vocab_size)
+    prompt_len = property(lambda self: self._state.prompt_len)
+    do_sample = property(lambda self: self._state.do_sample)
+    settings = property(lambda self: self._state.settings)
+    adapter = property(lambda self: self._state.ctx.adapter)
+    seq = property(lambda self: self._state.seq)
+    seq_len = property(lambda self: self._state.seq_len)
+    lengths = property(lambda self: tuple(self._state.lengths))
+    done = property(lambda self: tuple(self._state.done))
+    pending = property(lambda self: self._state.pending)
+    pos = property(lambda self: self._state.pos)
+    finished = property(lambda self: self._state.finished)
+    mask = property(lambda self: self._state.mask)
+    step = property(lambda self: self._state.step)
+    copy_k = property(lambda self: self._state.copy_k)
+    # (layer-E, final-normed) (B, T0, H) states of the prompt, in `begin` only, for drafters with needs_prompt_hidden
+    prompt_hidden = property(lambda self: self._state.prompt_hidden)
+    prompt_positions = property(lambda self: self._state.prompt_positions)
+    prefill_exit_layer = property(lambda self: self._state.prefill_exit_layer)
+    # decoding.VerifyStep: the states the latest verification pass saw (in `accepted`)
+    last_verify = property(lambda self: self._state.last_verify)
+
+    @property
+    def verified_len(self) -> int:
+        """Slots of the verified prefix in the shared cache (a host int)."""
+        state = self._state
+        return state.ctx.cache.layer_length(state.ctx.adapter.num_layers - 1)
+
+    def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._state.is_eos(tokens)
+
+    def text_with(self, drafts: torch.Tensor) -> torch.Tensor:
+        """(B, S) a copy of `seq` in which each row's text goes on with its (B, w) drafts."""
+        state = self._state
+        text = state.seq.clone()
+        cols = state.seq_len[:, None] + torch.arange(drafts.shape[1], device=state.device)[None, :]
+        return text.scatter_(1, cols, drafts)
+
+    def process(self, logits: torch.Tensor, drafts=None) -> torch.Tensor:
+        """(B, T, V) float32 draft logits -> processed, position j following each row's text, its (B, w) `drafts`
+        (a tensor, or a list of w (B,) tensors; None: none) and j more tokens: what the verifier's processors will
+        see there if the drafts are accepted."""
+        state = self._state
+        if isinstance(drafts, (list, tuple)):
+            drafts = torch.stack(drafts, dim=1) if drafts else None
+        if drafts is None or drafts.shape[1] == 0 or not state.settings.processors:
+            return state.settings.processors(state.seq, state.seq_len, logits)
+        return state.settings.processors(self.text_with(drafts), state.seq_len + drafts.shape[1], logits)
+
+    def run_early(self, inputs: torch.Tensor, positions: torch.Tensor, exit_layer: int,
+                  tree: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) verify inputs of this step at (B, T) positions through layers [0, exit_layer) into the shared
+        cache, after the inputs run before them this step; returns their (B, T, H) layer-E states, which the draft
+        hands over (Draft.hidden) so that verification skips those layers for them. `tree` (B, M, M): the ancestor
+        matrix (trees.tree_ancestors) of the step's inputs so far, when they form a tree."""
+        with self._tree_mask(tree):
+            return forward_early(self._state.ctx, inputs, positions, exit_layer).hidden
+
+    def run_own_layer(self, layer, like: int, cache, hidden: torch.Tensor, positions: torch.Tensor,
+                      tree: torch.Tensor | None = None) -> torch.Tensor:
+        """A decoder layer of the drafter's own (a head's copy of layer `like`) on (B, T, H) states at (B, T)
+        positions, its KV in the drafter's own `cache`, masked by the loop's slot table (forward.run_module)."""
+        with self._tree_mask(tree):
+            return run_module(self._state.ctx, layer, like, cache, hidden, positions)
+
+    def _tree_mask(self, tree):
+        return _TreeMask(self._state.ctx.slots, self.verified_len, tree)
+
+
+class _TreeMask:
+    """Sets the slot table's tree mask for one drafter call and clears it after (the loop sets its own to verify)."""
+
+    def __init__(self, slots, base: int, tree):
+        self.slots, self.base, self.tree = slots, base, tree
+
+    def __enter__(self):
+        if self.tree is not None:
+            self.slots.tree = (self.base, self.tree)
+
+    def __exit__(self, *exc):
+        if self.tree is not None:
+            self.slots.tree = None
