@@ -140,6 +140,9 @@ def test_budget_split_and_exit_layers():
     assert prepare.parse_budget("90") == 90
     plan = prepare.plan_budget(3600)
     assert sum(plan.values()) == pytest.approx(3600) and plan["collect"] > plan["train"] > plan["calibrate"]
+    assert prepare.parse_stage_budgets("collect=10m, train=1h") == {"collect": 600, "train": 3600}
+    with pytest.raises(ValueError, match=r"--budget 'trian=1h' names no stage; write stage=duration"):
+        prepare.parse_stage_budgets("collect=10m,trian=1h")
     assert prepare.pick_exit_layers(30) == [1, 2, 3] and prepare.pick_exit_layers(4) == [1, 2]
     assert prepare.pick_exit_layers(28) == [1, 2, 3]
 

@@ -15,8 +15,8 @@ continues the unfinished one from its shards, checkpoint or study.
 
 DIR then holds heads.safetensors and selfspec_config.json, which `selfspec.wrap(model, DIR)` and
 `selfspec.from_pretrained(DIR)` load, report.md, and the stages' working files (data/, heads/, study.db,
-prepare.json). --budget splits a time budget between the stages (SHARES; the split is in the report); without it
-each stage runs to its size (--collect-tokens, --steps, --trials).
+prepare.json). --budget splits a time budget between the stages (SHARES; the split is in the report), or sets
+each stage's (collect=20m,train=1h); without it each stage runs to its size (--collect-tokens, --steps, --trials).
 """
 from __future__ import annotations
 
@@ -83,6 +83,18 @@ def plan_budget(budget: float | None) -> dict:
         raise ValueError(f"--budget {budget:g}s is too small to train anything: collecting data and training heads "
                          f"need at least {MIN_BUDGET:g}s together; give 10m or more (or leave --budget out).")
     return {stage: round(budget * share, 1) for stage, share in SHARES.items()}
+
+
+def parse_stage_budgets(text: str) -> dict:
+    """'collect=20m,train=1h' -> seconds per named stage; the stages it leaves out run without a limit."""
+    plan = {}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        stage, _, duration = part.partition("=")
+        if stage.strip() not in SHARES or not duration:
+            raise ValueError(f"--budget {part!r} names no stage; write stage=duration for any of "
+                             f"{', '.join(SHARES)}, e.g. collect=20m,train=1h (or one total, e.g. 2h).")
+        plan[stage.strip()] = parse_budget(duration)
+    return plan
 
 
 def pick_exit_layers(num_layers: int) -> list[int]:
@@ -325,7 +337,8 @@ def parse_args(argv) -> PrepareConfig:
     p.add_argument("--output", required=True, help="where the heads, config, report and working files go")
     p.add_argument("--data", help="JSONL of chats ({\"messages\": [...]}) or texts ({\"text\": ...}), or a ShareGPT "
                                   "json (default: ShareGPT from selfspec[train])")
-    p.add_argument("--budget", help="time for all stages, e.g. 2h or 90m, split as " +
+    p.add_argument("--budget", help="time per stage (e.g. collect=20m,train=1h; stages left out run to their size) "
+                   "or for all stages (e.g. 2h or 90m), split as " +
                    ", ".join(f"{s} {v:.0%}" for s, v in SHARES.items()) + " (default: no limit)")
     p.add_argument("--exit-layers", help="comma-separated exit layers (default: 1, 2 and on deep models L/8)")
     p.add_argument("--collect-tokens", type=int, default=d.collect_tokens, help="answer tokens to collect")
@@ -350,12 +363,17 @@ def parse_args(argv) -> PrepareConfig:
         raise ValueError(f"--exit-layers takes comma-separated integers, got {a.exit_layers!r}.") from None
     if a.data and not Path(a.data).is_file():
         raise FileNotFoundError(f"--data {a.data!r} does not exist; pass a JSONL file of chats or texts.")
-    budget = parse_budget(a.budget) if a.budget else None
+    if a.budget and "=" in a.budget:
+        stage_seconds = parse_stage_budgets(a.budget)
+        budget = sum(stage_seconds.values())
+    else:
+        budget = parse_budget(a.budget) if a.budget else None
+        stage_seconds = plan_budget(budget)
     return PrepareConfig(model=a.model, output=a.output, data=a.data, budget=budget, exit_layers=exits,
                          collect_tokens=a.collect_tokens, steps=a.steps, trials=a.trials,
                          calibration_prompts=a.calibration_prompts, eval_prompts=a.eval_prompts,
                          max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype, threads=a.threads,
-                         stage_seconds=plan_budget(budget))
+                         stage_seconds=stage_seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
