@@ -6,6 +6,7 @@ import os
 import types
 
 import torch
+from transformers import PreTrainedModel
 
 from .arch import adapter_for
 from .cache import SlotTable, SpecCache
@@ -242,7 +243,7 @@ def wrap(model, config=None, **overrides):
             # validated as the kind of drafter it is (does it need a valid exit layer?), named after validation
             overrides["drafter"] = "early_exit" if drafter.uses_early_layers else "none"
     elif drafter is not None and not isinstance(drafter, str):
-        if not (hasattr(drafter, "config") and callable(getattr(drafter, "get_input_embeddings", None))):
+        if not isinstance(drafter, PreTrainedModel):
             raise TypeError(f"drafter must be a drafter name, a Drafter object or a causal LM to draft with, got "
                             f"{type(drafter).__name__}.")
         overrides["drafter"] = "model"
