@@ -43,6 +43,11 @@ class SelfSpecConfig:
     # lookup-when-unsure, lookup-when-copying), and the matched suffix length that makes a lookup strong.
     hybrid_policy: str = "lookup-then-head"
     hybrid_min_match: int = 2
+
+    # --- per decoding mode ---
+    # The fields above serve greedy decoding; these replace them when generate samples (do_sample=True), as
+    # `selfspec calibrate --sample` writes them: sampling accepts fewer drafts, so what pays differs ({}: the same).
+    sampling: dict = field(default_factory=dict)
     # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
     metadata: dict = field(default_factory=dict)
 
@@ -76,6 +81,15 @@ class SelfSpecConfig:
         from .drafters.hybrid import HybridPolicy  # late: the drafters import the engine, which imports this module
 
         HybridPolicy(self.hybrid_policy, self.hybrid_min_match)  # raises naming the bad field
+        if not isinstance(self.sampling, dict):
+            raise ValueError(f"sampling must be a mapping of config fields, got {self.sampling!r}.")
+        bad = sorted(set(self.sampling) - set(self.__dataclass_fields__) | set(self.sampling) & {"sampling",
+                                                                                                   "metadata"})
+        if bad:
+            raise ValueError(f"sampling holds {bad}, which are not settings; it takes the fields above it "
+                             f"(drafter, exit_layer, max_draft_tokens, ...) for sampled generation.")
+        if self.sampling:
+            self.for_mode(True).validate(num_layers)
         # drafters that never run the early layers on their own (ngram, model, oracle, none) only use exit_layer
         # as the split of the verify pass, which any layer serves: the engine clamps it for them
         uses_exit = self.drafter in ("early_exit", "hybrid")
@@ -85,6 +99,12 @@ class SelfSpecConfig:
                 f"choose 1 <= exit_layer <= {num_layers - 1} (layers [0, exit_layer) draft, the rest verify)."
             )
         return self
+
+    def for_mode(self, do_sample: bool) -> "SelfSpecConfig":
+        """The settings a generate call runs with: the `sampling` ones over the rest when it samples."""
+        if not do_sample or not self.sampling:
+            return self
+        return self.replace(**self.sampling, sampling={})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,6 +1,7 @@
 """`wrap(model)` in place, `unwrap(model)`; the engine lives at `model.selfspec`, outside the module tree."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -45,6 +46,16 @@ class SelfSpecEngine:
         self.timed = False
 
     # --- heads and drafters ----------------------------------------------------------------------
+    def for_mode(self, do_sample: bool) -> "SelfSpecEngine":
+        """This engine, or for a sampled call whose config has settings of its own (config.sampling) a shallow copy
+        that holds them: the same model, heads and draft model, another config."""
+        config = self.config.for_mode(do_sample)
+        if config is self.config:
+            return self
+        engine = copy.copy(self)
+        engine.config = config
+        return engine
+
     def head_for(self, exit_layer: int) -> ExitHead:
         """The trained head at this layer, or the model's own norm + LM head (no parameters)."""
         if exit_layer not in self.heads:
@@ -153,10 +164,11 @@ class SelfSpecEngine:
         self.last_stats = None  # a call that fails leaves no stats of an earlier one behind
         self._call_tokenizers = tuple(tokenizers) if tokenizers is not None else (None, None)
         try:
-            drafter = self.build_drafter()
+            engine = self.for_mode(settings.do_sample)
+            drafter = engine.build_drafter()
         finally:
             self._call_tokenizers = (None, None)
-        settings = self.call_settings(drafter, settings)
+        settings = engine.call_settings(drafter, settings)
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
                           SlotTable(input_ids.shape[0], input_ids.device))
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)

@@ -334,6 +334,15 @@ def test_cli_end_to_end_on_a_saved_model(tmp_path, capsys):
     assert all(r["exact"] for r in data["records"])
     assert (out / "speedup.png").is_file() and "## alpha (1 prompts)" in (out / "results.md").read_text()
     assert "| selfspec-untrained |" in capsys.readouterr().out
+    both = tmp_path / "both"
+    code = bench.main(["--model", str(tmp_path / "model"), "--prompts", str(tmp_path / "q.jsonl"),
+                       "--limit", "1", "--max-new-tokens", "6", "--exit-layer", "2", "--dtype", "float32",
+                       "--methods", "hf-greedy", "selfspec-untrained", "--output", str(both), "--warmup-tokens", "2",
+                       "--greedy-and-sampled", "--temperature", "0.7"])
+    greedy, sampled = (json.loads((both / mode / "results.json").read_text()) for mode in ("greedy", "sampled"))
+    assert code == 0 and not greedy["meta"]["settings"]["sample"] and sampled["meta"]["settings"]["sample"]
+    assert sampled["meta"]["settings"]["temperature"] == 0.7 and all(r["exact"] is None for r in sampled["records"])
+    assert bench.main(["--sample", "--greedy-and-sampled"]) == 2
 
 
 def test_packed_weights_and_the_dense_baseline():

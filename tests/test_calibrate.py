@@ -442,14 +442,57 @@ def test_a_sampled_calibration_samples_and_says_so(tmp_path, monkeypatch):
     result = calibrate(model, _prompts(2), _sampled_spec(), output=str(tmp_path), trials=2, **QUIET)
     assert seen and set(seen) == {(True, 0.8, 0.9)}, set(seen)
     assert decoded and all(decoded)
-    calibration = result.best.metadata["calibration"]
+    calibration = result.best.metadata["calibration_sampled"]
     assert calibration["decoding"] == "sample, temperature 0.8, top-p 0.9"
     assert result.study_name.endswith("-sampled-temperature0.8-top-p0.9"), result.study_name
     assert result.report["exactness"] is None and result.report["cost_model"] is None
-    assert "not compared with plain generate" in (tmp_path / "calibration_report.md").read_text()
+    assert "not compared with plain generate" in (tmp_path / "calibration_report_sampled.md").read_text()
     study = optuna.load_study(study_name=result.study_name, storage=result.storage)
     assert study.user_attrs["identity"]["decoding"] == calibration["decoding"]
     assert not any("matches_plain" in t.user_attrs for t in study.trials)
+
+
+def test_greedy_and_sampled_calibrations_keep_a_setting_each(tmp_path):
+    """A sampled calibration of a greedy-calibrated model writes its winner as the config's `sampling` section and
+    its record beside the greedy one; the greedy setting and record stay, and a greedy calibration afterwards keeps
+    the sampled ones. Each generate call runs the setting of its decoding mode."""
+    model = make_model("llama", 4)
+    greedy = calibrate(model, _prompts(2), _spec(max_draft_tokens=[3], exit_layer=[2]), output=str(tmp_path),
+                       trials=1, **QUIET).best
+    sampled = calibrate(model, _prompts(2), _sampled_spec(), output=str(tmp_path), trials=3, **QUIET).best
+    fields = {f: getattr(greedy, f) for f in greedy.__dataclass_fields__ if f not in ("sampling", "metadata")}
+    assert {f: getattr(sampled, f) for f in fields} == fields  # the greedy setting, untouched
+    assert sampled.metadata["calibration"] == greedy.metadata["calibration"]
+    assert sampled.metadata["calibration_sampled"]["decoding"].startswith("sample")
+    winner = sampled.metadata["calibration_sampled"]["per_drafter"]["early_exit"]
+    assert sampled.for_mode(True).max_draft_tokens == winner["max_draft_tokens"]
+    saved = selfspec.SelfSpecConfig.load(str(tmp_path))
+    assert saved.sampling == sampled.sampling and (tmp_path / "calibration_report_sampled.md").is_file()
+    again = calibrate(model, _prompts(2), _spec(max_draft_tokens=[3], exit_layer=[2]), output=str(tmp_path / "g"),
+                      trials=1, **QUIET).best
+    assert again.sampling == sampled.sampling and "calibration_sampled" in again.metadata
+
+
+def test_generate_runs_the_setting_of_its_decoding_mode(monkeypatch):
+    """config.sampling replaces the greedy fields when generate samples: the same wrapped model drafts with n-grams
+    up to K=4 greedily and with the exit head at K=1 when it samples."""
+    import sys
+
+    wrap_module = sys.modules["selfspec.wrap"]
+    runs, speculative = [], wrap_module.speculative_decode
+
+    def spy(ctx, drafter, ids, mask, settings):
+        runs.append((settings.do_sample, type(drafter).__name__, settings.max_draft_tokens, settings.exit_layer))
+        return speculative(ctx, drafter, ids, mask, settings)
+
+    monkeypatch.setattr(wrap_module, "speculative_decode", spy)
+    model = make_model("llama", 4)
+    selfspec.wrap(model, drafter="ngram", max_draft_tokens=4,
+                  sampling={"drafter": "early_exit", "exit_layer": 2, "max_draft_tokens": 1})
+    for sample in (False, True):
+        model.generate(prompt(seed=1, length=8), max_new_tokens=6, do_sample=sample, pad_token_id=0)
+    assert runs == [(False, "NgramDrafter", 4, 4), (True, "EarlyExitDrafter", 1, 2)], runs
+    assert model.selfspec.config.drafter == "ngram"  # the engine's own config is not changed by a call
 
 
 def test_a_study_refuses_another_decoding(tmp_path):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -349,7 +350,9 @@ class Harness:
         self.base_config, self.heads, self.heads_source = load_selfspec_setup(model, cfg)
         self.hf_exit_layer = self.base_config.exit_layer
         self.plain_logits = PlainLogits(model, {"pad_token_id": pad_id})
-        self.per_drafter = self.base_config.metadata.get("calibration", {}).get("per_drafter", {})
+        # each drafter's best from the calibration of this run's decoding mode (a sampled one where it exists)
+        record = self.base_config.metadata.get("calibration_sampled" if cfg.sample else "calibration")
+        self.per_drafter = (record or self.base_config.metadata.get("calibration", {})).get("per_drafter", {})
         self.oracle_k: int | None = None  # set by bound_oracle once the run's methods are known
 
     def row_judge(self, batch: Batch, max_new: int, chunk: int) -> Callable:
@@ -368,7 +371,7 @@ class Harness:
         heads are not given to the untrained head; the n-gram drafter has no heads and takes its own. A tree
         method takes the drafter's calibrated tree (key "<drafter>-tree"), else its chain's with DEFAULT_TREE; every
         other method drafts chains."""
-        config = self.base_config if trained else SelfSpecConfig(
+        config = self.base_config.for_mode(self.cfg.sample) if trained else SelfSpecConfig(
             exit_layer=self.base_config.exit_layer, max_draft_tokens=self.base_config.max_draft_tokens)
         tuned = dict(self.per_drafter.get(drafter, {})) if (trained or drafter == "ngram") else {}
         if tree:
@@ -811,6 +814,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="N of hf-prompt-lookup")
     p.add_argument("--sample", action="store_true",
                    help="sample instead of greedy (speed and acceptance only)%(default).0s")
+    p.add_argument("--greedy-and-sampled", action="store_true",
+                   help="run the bench greedy, then sampled (--temperature, --top-p), on the model loaded once: "
+                        "OUTPUT/greedy and OUTPUT/sampled%(default).0s")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature, with --sample")
     p.add_argument("--top-p", type=float, default=d.top_p,
                    help="nucleus sampling's top_p, with --sample (default: 1.0, the whole distribution)")
@@ -849,6 +855,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.temperature <= 0:
         raise ValueError(f"--temperature must be > 0, got {args.temperature} (greedy is the default without "
                          f"--sample).")
+    if args.sample and args.greedy_and_sampled:
+        raise ValueError("--greedy-and-sampled runs the sampled bench after the greedy one; drop --sample.")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p} (1.0 keeps the whole distribution).")
     try:
@@ -898,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
         check_categories(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        from ..models import dtype_name, resolve_model
+        from ..models import resolve_model
         from ..packing import apply_choice
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
@@ -911,6 +919,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"selfspec bench: error: {err}", file=sys.stderr)
         return 2
+    if not args.greedy_and_sampled:
+        return run_and_write(model, tokenizer, workload, cfg, argv, cfg.output or default_output(cfg))
+    root = cfg.output or default_output(cfg)
+    codes = [run_and_write(model, tokenizer, workload, replace(cfg, sample=sample), argv, os.path.join(root, mode))
+             for sample, mode in ((False, "greedy"), (True, "sampled"))]
+    return max(codes)
+
+
+def run_and_write(model, tokenizer, workload, cfg: BenchConfig, argv: list[str], output: str) -> int:
+    """One bench run over the workload in cfg's decoding mode, its outputs written to `output`; the exit code."""
+    from ..models import dtype_name
+
     device = next(model.parameters()).device
     loadavg_start = loadavg()
     with sigterm_as_interrupt():
@@ -920,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
                       **step_speedups(model), "parameters": sum(p.numel() for p in model.parameters())},
             "settings": asdict(cfg)}
-    paths = write_outputs(result, meta, cfg.output or default_output(cfg))
+    paths = write_outputs(result, meta, output)
     print(render_markdown(result, meta))
     print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
     if result.mismatches:

@@ -160,7 +160,7 @@ def _cost_model_markdown(report: dict) -> list[str]:
     return lines
 
 
-def save_result(model, best: SelfSpecConfig, report: dict, output: str, extra: dict) -> None:
+def save_result(model, best: SelfSpecConfig, report: dict, output: str, extra: dict, name: str = REPORT_NAME) -> None:
     """Config (and heads, through the engine's save_pretrained when it exists) + the report, into `output`."""
     os.makedirs(output, exist_ok=True)
     engine = model.selfspec
@@ -170,7 +170,7 @@ def save_result(model, best: SelfSpecConfig, report: dict, output: str, extra: d
             engine.save_pretrained(output)
     else:
         best.save(output, extra=extra)
-    with open(os.path.join(output, REPORT_NAME + ".json"), "w") as f:
+    with open(os.path.join(output, name + ".json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
-    with open(os.path.join(output, REPORT_NAME + ".md"), "w") as f:
+    with open(os.path.join(output, name + ".md"), "w") as f:
         f.write(report_markdown(report))

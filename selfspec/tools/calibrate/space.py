@@ -352,7 +352,8 @@ def effective_params(params: dict) -> dict:
 
 
 def trial_config(base: SelfSpecConfig, params: dict) -> SelfSpecConfig:
-    config = base.replace(**effective_params(params))
+    """The base config with a trial's setting, in every decoding mode (a sampled study times it as sampled)."""
+    config = base.replace(**effective_params(params), sampling={})
     if config.ngram_min > config.ngram_max:
         config = config.replace(ngram_min=config.ngram_max)
     return config

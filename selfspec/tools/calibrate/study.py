@@ -199,12 +199,13 @@ def enqueue_fresh(study, settings: list, source: str, what: str, log) -> None:
         log(f"enqueued {len(fresh)} {what}: " + "; ".join(describe(p) for p in fresh))
 
 
-def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log) -> None:
+def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log, sampled: bool = False) -> None:
     """The bests of the calibration the heads' config came from (its per_drafter), measured again: a study over
     new heads or on another day starts from what won before instead of hoping TPE finds it (on calibration
     prompts the top settings often lie within the timer's noise of each other). Entries outside the space are
-    skipped."""
-    previous = base.metadata.get("calibration", {}).get("per_drafter", {})
+    skipped. A sampled study starts from the last sampled calibration's bests, else from the greedy one's."""
+    record = base.metadata.get(CALIBRATION_KEY[sampled]) or base.metadata.get("calibration", {})
+    previous = record.get("per_drafter", {})
     kept = []
     for params in previous.values():
         if params.get("drafter") in EXIT_DRAFTERS and params.get("draft_tree_top_k", 1) == 1:
@@ -427,7 +428,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     _set_study_attrs(study, session, spec, space)
     enqueue_fresh(study, spec.search.enqueue, "space_file", "setting(s) of the space file", log)  # first: yours
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
-    enqueue_previous(study, base, space, log)
+    enqueue_previous(study, base, space, log, sampled=spec.measure.decoding != "greedy")
     budget = _Budget(session, trials, timeout)
     callbacks = [budget] + [BalanceKinds(space, budget)] * spec.search.balance_kinds
     try:
@@ -436,6 +437,22 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     finally:
         budget.bar.close()
     return _finish(model, study, session, base, storage, output, identity, log)
+
+
+# where a calibration's record goes in the config's metadata, per decoding mode
+CALIBRATION_KEY = {False: "calibration", True: "calibration_sampled"}
+
+
+def with_mode(base: SelfSpecConfig, chosen: SelfSpecConfig, calibration: dict, sampled: bool) -> SelfSpecConfig:
+    """The config a calibration writes: a greedy one's setting at the top, a sampled one's as the `sampling`
+    section (the fields where it differs from the greedy ones); the other mode's settings and record stay."""
+    metadata = {**base.metadata, CALIBRATION_KEY[sampled]: calibration}
+    if not sampled:
+        return chosen.replace(sampling=base.sampling, metadata=metadata)
+    skip = {"sampling", "metadata"}
+    differ = {f: getattr(chosen, f) for f in chosen.__dataclass_fields__
+              if f not in skip and getattr(chosen, f) != getattr(base, f)}
+    return base.replace(sampling=differ, metadata=metadata)
 
 
 def _check_budget(trials, timeout, prompts) -> None:
@@ -493,20 +510,23 @@ def _finish(model, study, session, base, storage, output, identity, log) -> Cali
         log(f"no setting beat plain generate here (fastest: {describe(winner['params'])}, "
             f"x{winner['speedup']:.2f}): the config drafts nothing (drafter 'none'); per_drafter keeps each "
             f"drafter's best")
-    best = trial_config(base, winner["params"]).replace(**({} if drafts else {"drafter": "none"}), metadata={
-        "calibration": {"tokens_per_s": winner["confirmed_tokens_per_s"], "plain_tokens_per_s": plain_tps,
-                        "speedup": winner["speedup"], "drafting_pays": pays,
-                        "study": study.study_name, "trial": winner["trial"],
-                        "device": identity["device"], "dtype": identity["dtype"], "decoding": identity["decoding"],
-                        "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
-                        "per_drafter": best_per_drafter(study, confirmed)}})
+    chosen = trial_config(base, winner["params"]).replace(**({} if drafts else {"drafter": "none"}))
+    calibration = {"tokens_per_s": winner["confirmed_tokens_per_s"], "plain_tokens_per_s": plain_tps,
+                   "speedup": winner["speedup"], "drafting_pays": pays,
+                   "study": study.study_name, "trial": winner["trial"],
+                   "device": identity["device"], "dtype": identity["dtype"], "decoding": identity["decoding"],
+                   "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
+                   "per_drafter": best_per_drafter(study, confirmed)}
+    sampled = identity["decoding"] != "greedy"
+    best = with_mode(base, chosen, calibration, sampled)
     study.set_user_attr("final", {"best": winner, "plain_tokens_per_s": plain_tps})
-    report = build_report(study, session, confirmed, plain_tps, best)
+    report = build_report(study, session, confirmed, plain_tps, chosen)
     if output is not None:
         from ... import __version__
 
-        save_result(model, best, report, output, {"selfspec_version": __version__})
-        log(f"wrote {output}/selfspec_config.json and {REPORT_NAME}.md/.json")
+        name = REPORT_NAME + ("_sampled" if sampled else "")
+        save_result(model, best, report, output, {"selfspec_version": __version__}, name)
+        log(f"wrote {output}/selfspec_config.json and {name}.md/.json")
     model.selfspec.config = best
     log(f"best: {describe(winner['params'])} {winner['confirmed_tokens_per_s']:.2f} tok/s vs plain "
         f"{plain_tps:.2f} (x{winner['speedup']:.2f})")
