@@ -81,6 +81,7 @@ def verify_tree_sampling(tokens, parents, logits_at, draft_len, depth: int, q=No
     rejected). Returns path, n, token, path logits like verify_tree_greedy."""
     b, n_nodes = tokens.shape
     u = torch.rand(b, n_nodes, device=tokens.device)  # each node is tried at most once
+    on_host = tokens.device.type == "cpu"  # where asking whether any row tries a node costs no device sync
     current = torch.zeros_like(draft_len)
     seen = [logits_at(current)]
     residual = logits_to_probs(seen[0])  # (B, V)
@@ -91,6 +92,8 @@ def verify_tree_sampling(tokens, parents, logits_at, draft_len, depth: int, q=No
         for i in range(n_nodes):  # topological order: the children of `current` in the order they are tried
             x = tokens[:, i]
             tried = walking & ~moved & (parents[:, i] == current) & (i < draft_len)
+            if on_host and not bool(tried.any()):  # most nodes are no child of the current one: no (B, V) work
+                continue
             q_i = None if q is None else q[:, i]
             q_x = torch.ones_like(u[:, i]) if q_i is None else q_i.gather(1, x[:, None])[:, 0]
             take = tried & (u[:, i] * q_x < residual.gather(1, x[:, None])[:, 0])
