@@ -267,6 +267,10 @@ def test_resume_skips_finished_shards(setup, monkeypatch):
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("tf-*.safetensors")} == first
     assert content(json.loads((cache / "manifest.json").read_text())) == manifest
 
+    # a time budget already spent stops new shards only: the stored ones stay in the manifest
+    run(setup, "resume", "--time-budget", "0.000001")
+    assert content(json.loads((cache / "manifest.json").read_text())) == manifest
+
     # a lost shard is the only one computed again
     monkeypatch.undo()
     calls = []

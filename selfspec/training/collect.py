@@ -1045,13 +1045,15 @@ def collect_sharegpt(args, cfg: dict) -> int:
     per, target, max_len = int(sc["conversations_per_shard"]), int(sc["target_tokens"]), int(sc["max_len"])
     total, new_tokens, new_seconds, bar = 0, 0, 0.0, None
     for s, i in enumerate(range(0, len(chats), per)):
-        if total >= target or time.monotonic() > deadline:
+        if total >= target:
             break
         group = chats[i:i + per]
         indices = [c[0] for c in group]
         name = f"tf-{s:05d}"
         shard = cache / f"{name}.safetensors"
         meta = reusable_shard(shard, tf_hash, args.overwrite, lambda m: m.get("group") == indices)
+        if meta is None and time.monotonic() > deadline:  # the budget stops new shards; stored ones still count
+            break
         if meta is None:
             convs_s, skipped = plan_conversations(tok, group, max_len, eos)
             if not convs_s:
@@ -1090,12 +1092,12 @@ def collect_sharegpt(args, cfg: dict) -> int:
     jobs = [j for j in jobs if len(j.prompt_ids) + int(sc["max_new_tokens"]) <= max_len]
     bar = None
     for name, sjobs in plan_shards(jobs, int(sc["gen_batch_size"])) if jobs else []:
-        if time.monotonic() > deadline:
-            break
         name = "op-" + name.split("-", 1)[1]  # t1-c0-000 -> op-c0-000
         shard = cache / f"{name}.safetensors"
         qids = [j.qid for j in sjobs]
         meta = reusable_shard(shard, op_hash, args.overwrite, lambda m: [q["qid"] for q in m["seqs"]] == qids)
+        if meta is None and time.monotonic() > deadline:
+            break
         if meta is None:
             if bar is None:
                 bar = tqdm(desc="sharegpt on-policy", unit="tok", unit_scale=True, mininterval=30, file=sys.stderr)
