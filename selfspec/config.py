@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 
 CONFIG_NAME = "selfspec_config.json"
+# where a calibration's record goes in a config's metadata, per decoding mode (sampled: True)
+CALIBRATION_KEY = {False: "calibration", True: "calibration_sampled"}
 DRAFTERS = ("early_exit", "ngram", "hybrid", "model", "oracle", "none")
 
 
@@ -105,6 +107,10 @@ class SelfSpecConfig:
         if not do_sample or not self.sampling:
             return self
         return self.replace(**self.sampling, sampling={})
+
+    def calibration(self, sampled: bool) -> dict:
+        """The record of the calibration of one decoding mode (metadata), else the greedy one's; {} without any."""
+        return self.metadata.get(CALIBRATION_KEY[sampled]) or self.metadata.get(CALIBRATION_KEY[False]) or {}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -351,8 +351,7 @@ class Harness:
         self.hf_exit_layer = self.base_config.exit_layer
         self.plain_logits = PlainLogits(model, {"pad_token_id": pad_id})
         # each drafter's best from the calibration of this run's decoding mode (a sampled one where it exists)
-        record = self.base_config.metadata.get("calibration_sampled" if cfg.sample else "calibration")
-        self.per_drafter = (record or self.base_config.metadata.get("calibration", {})).get("per_drafter", {})
+        self.per_drafter = self.base_config.calibration(cfg.sample).get("per_drafter", {})
         self.oracle_k: int | None = None  # set by bound_oracle once the run's methods are known
 
     def row_judge(self, batch: Batch, max_new: int, chunk: int) -> Callable:

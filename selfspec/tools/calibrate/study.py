@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ...config import SelfSpecConfig
+from ...config import CALIBRATION_KEY, SelfSpecConfig
 from ...wrap import wrap
 from ..measure import environment as measure_environment
 from ..measure import model_identity
@@ -204,8 +204,7 @@ def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log, sampl
     new heads or on another day starts from what won before instead of hoping TPE finds it (on calibration
     prompts the top settings often lie within the timer's noise of each other). Entries outside the space are
     skipped. A sampled study starts from the last sampled calibration's bests, else from the greedy one's."""
-    record = base.metadata.get(CALIBRATION_KEY[sampled]) or base.metadata.get("calibration", {})
-    previous = record.get("per_drafter", {})
+    previous = base.calibration(sampled).get("per_drafter", {})
     kept = []
     for params in previous.values():
         if params.get("drafter") in EXIT_DRAFTERS and params.get("draft_tree_top_k", 1) == 1:
@@ -437,10 +436,6 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     finally:
         budget.bar.close()
     return _finish(model, study, session, base, storage, output, identity, log)
-
-
-# where a calibration's record goes in the config's metadata, per decoding mode
-CALIBRATION_KEY = {False: "calibration", True: "calibration_sampled"}
 
 
 def with_mode(base: SelfSpecConfig, chosen: SelfSpecConfig, calibration: dict, sampled: bool) -> SelfSpecConfig:
