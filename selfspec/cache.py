@@ -44,8 +44,10 @@ class SpecLayer(DynamicLayer):
         if needed <= capacity:
             return
         new_cap = max(needed, 2 * capacity, self.min_capacity)
-        k = like_k.new_empty((*like_k.shape[:-2], new_cap, like_k.shape[-1]))
-        v = like_v.new_empty((*like_v.shape[:-2], new_cap, like_v.shape[-1]))
+        # zeroed: a compiled pass reads slots past the live ones under a mask (compiled.py), and a masked-out
+        # slot must hold no NaN, which a zero weight would carry into the softmax's sum
+        k = like_k.new_zeros((*like_k.shape[:-2], new_cap, like_k.shape[-1]))
+        v = like_v.new_zeros((*like_v.shape[:-2], new_cap, like_v.shape[-1]))
         if self.length:
             k[..., : self.length, :] = self._k[..., : self.length, :]
             v[..., : self.length, :] = self._v[..., : self.length, :]
@@ -61,6 +63,11 @@ class SpecLayer(DynamicLayer):
         self.length += t
         self._refresh_views()
         return self.keys, self.values
+
+    def advance(self, tokens: int) -> None:
+        """Count `tokens` slots written past `length` in place (the compiled step writes the buffer itself)."""
+        self.length += tokens
+        self._refresh_views()
 
     def _refresh_views(self):
         if self._k is not None:

@@ -28,6 +28,9 @@ class SelfSpecConfig:
     draft_tree_top_k: int = 1
     # Most drafted tokens per verify pass of a tree (nodes of all branches together); needs >= max_draft_tokens.
     draft_tree_size: int = 16
+    # Run the passes after the prompt through torch.compile over a few static shapes (compiled.py): the first
+    # passes of each shape compile (minutes on a CPU), every later one is faster; CUDA graphs on a GPU.
+    compile: bool = False
 
     # --- what a calibration tunes (defaults that work untuned) ---
     # With this, a chain judges its next draft by the product of the head's top probabilities along the chain so
@@ -64,6 +67,8 @@ class SelfSpecConfig:
         if not isinstance(self.copy_draft_tokens, int) or self.copy_draft_tokens < 0:
             raise ValueError(f"copy_draft_tokens must be an integer >= 0 (0: a chain never runs past "
                              f"max_draft_tokens), got {self.copy_draft_tokens!r}.")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}.")
         if not isinstance(self.draft_confidence_cumulative, bool):
             raise ValueError(f"draft_confidence_cumulative must be true or false, got "
                              f"{self.draft_confidence_cumulative!r}.")

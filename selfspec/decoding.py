@@ -159,7 +159,8 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
     ids, mask = state.seq[:, : state.prompt_len], state.mask
     if mask is None:
         mask = torch.ones_like(ids)
-    state.ctx.cache.reserve(state.capacity)
+    compiled = state.ctx.compiled
+    state.ctx.cache.reserve(state.capacity if compiled is None else compiled.capacity(state.capacity))
     early, positions = forward_prompt(state.ctx, ids, mask, exit_layer)
     out = forward_remainder(state.ctx, early.hidden, positions, exit_layer)
     state.pos = mask.long().sum(-1)  # position of the first generated token

@@ -5,15 +5,13 @@ current length. Masks are built once per call and layer type from the slot table
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .arch.base import ArchAdapter
-from .attention import folded_gqa
 from .cache import SlotTable, SpecCache
+from .compiled import CompiledStep
 from .masks import build_mask, needs_mask
 
 
@@ -24,10 +22,12 @@ class StepContext:
     adapter: ArchAdapter
     cache: SpecCache
     slots: SlotTable
+    compiled: CompiledStep | None = None  # the engine's compiled passes (compiled.py), None: eager
 
     def __post_init__(self):
         # the slot table lives with the token ids; logits return there from wherever the LM head runs
         self.adapter.home = self.slots.pos.device
+        self.adapter.compiled = self.compiled
 
 
 @dataclass
@@ -44,40 +44,15 @@ class RemainderResult:
         return adapter.logits(h)
 
 
-_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # read by transformers' sdpa_attention_forward at every call
-
-
-def masked_gqa_in_sdpa(adapter: ArchAdapter, device: torch.device) -> contextlib.AbstractContextManager:
-    """Lets sdpa attend grouped KV heads in place even with a mask, on CPU: transformers otherwise copies the KV
-    of every layer to all query heads (repeat_kv) whenever a mask is given, which is every verify pass and tree,
-    while a plain decoding step (no mask) skips the copy. On CPU the two give the same bits (tests/test_forward);
-    over an 800-token cache a 3-token pass cost 1.41x a 1-token one with the copies and 1.12x without here
-    (python -m selfspec.tools.pass_cost --gqa-in-place). Not on CUDA, where a masked grouped call falls back to the
-    math kernel; a value the user set is left as it is."""
-    return gqa_in_sdpa() if device.type == "cpu" and adapter.attn_impl == "sdpa" else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def gqa_in_sdpa():
-    """transformers' sdpa attends grouped KV heads in place, mask or not, while in scope (TRANSFORMERS_SDPA_FORCE_GQA
-    set to 1 and removed after); a value already set is left as it is."""
-    if _FORCE_GQA in os.environ:
-        yield
-        return
-    os.environ[_FORCE_GQA] = "1"
-    try:
-        yield
-    finally:
-        del os.environ[_FORCE_GQA]
-
-
 def run_layers(ctx: StepContext, hidden, positions, start: int, stop: int, slot_positions=None) -> torch.Tensor:
     """Run decoder layers [start, stop) on (B, T, H) states at (B, T) positions, appending to the cache.
 
     New tokens enter the slot table when they enter layer 0; `slot_positions` (B, T) overrides what is
-    recorded there (-1 for padding). On a CPU in bf16, grouped-query attention is folded (attention.py)."""
+    recorded there (-1 for padding). With a compiled step, passes of its shapes run there (compiled.py)."""
     if start >= stop:
         return hidden
+    if ctx.compiled is not None and ctx.compiled.can_run(ctx.cache, start, stop, hidden.shape[1]):
+        return ctx.compiled.run_layers(ctx, hidden, positions, start, stop, slot_positions)
     adapter = ctx.adapter
     q_start = ctx.cache.layer_length(start)
     t = hidden.shape[1]
@@ -86,16 +61,15 @@ def run_layers(ctx: StepContext, hidden, positions, start: int, stop: int, slot_
     slot_pos = ctx.slots.view(q_start + t)
     rotary = adapter.rotary(hidden, positions)
     masks = {}
-    with masked_gqa_in_sdpa(adapter, hidden.device), folded_gqa(adapter, hidden):
-        for i in range(start, stop):
-            window = adapter.window(i)
-            if window not in masks:
-                masks[window] = (
-                    build_mask(slot_pos, positions, q_start, window, hidden.dtype, adapter.attn_impl, ctx.slots.tree)
-                    if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl, ctx.slots.tree)
-                    else None
-                )
-            hidden = adapter.call_layer(i, hidden, masks[window], positions, rotary, ctx.cache)
+    for i in range(start, stop):
+        window = adapter.window(i)
+        if window not in masks:
+            masks[window] = (
+                build_mask(slot_pos, positions, q_start, window, hidden.dtype, adapter.attn_impl, ctx.slots.tree)
+                if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl, ctx.slots.tree)
+                else None
+            )
+        hidden = adapter.call_layer(i, hidden, masks[window], positions, rotary, ctx.cache)
     return hidden
 
 
@@ -139,5 +113,4 @@ def run_module(ctx: StepContext, layer, i: int, cache: SpecCache, hidden, positi
     if needs_mask(ctx.slots.has_holes, t, q_start, window, adapter.attn_impl, tree):
         mask = build_mask(ctx.slots.view(q_start + t), positions, q_start, window, hidden.dtype, adapter.attn_impl,
                           tree)
-    with masked_gqa_in_sdpa(adapter, hidden.device), folded_gqa(adapter, hidden):
-        return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)
+    return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)

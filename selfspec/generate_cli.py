@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (default: torch's, one per core); see 'threads' below")
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="prepack the bfloat16 Linear weights once (selfspec.pack_weights; CPU): same tokens, faster "
-                        "steps; --compare's plain generate runs packed too (default: pack where there are such "
-                        "weights)")
+                        "steps; --compare's plain generate runs packed too (default: dense weights)")
+    p.add_argument("--compile", action="store_true", help="run the engine's passes through torch.compile (selfspec/compiled.py): minutes of warm-up, then faster steps")
     p.add_argument("--compare", action="store_true",
                    help="after the streamed answer, time plain generate of the same model and dtype against "
                         "selfspec on the same prompt and settings, interleaved (--rounds each), and print both")
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {k: v for k, v in (("exit_layer", args.exit_layer), ("max_draft_tokens", args.max_draft_tokens),
                                    ("drafter", args.drafter)) if v is not None}
+    if args.compile:
+        overrides["compile"] = True
     model, tok = load(args.model, heads=args.heads, dtype=args.dtype, pack_weights=args.pack_weights, **overrides)
     ids = prompt_ids(tok, args.prompt, args.chat).to(model.device)
     mask = torch.ones_like(ids)

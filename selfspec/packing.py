@@ -3,8 +3,9 @@
     selfspec.pack_weights(model)     # in place; the dense weights stay (state_dict, saving, training)
     selfspec.unpack_weights(model)
 
-selfspec.load, `selfspec bench` and `selfspec calibrate` pack by default wherever there is something to pack
-(apply_choice); `wrap` leaves a model it is handed as it is, since packing costs memory.
+Packing is an opt-in (`pack_weights=True`, `--pack-weights`): it reaches oneDNN through private torch ops and
+compiles a C++ kernel at run time. The compiled step (compiled.py, `compile=True`) prepacks the weights the
+maintained way, through Inductor's freezing; docs/benchmarks.md has the two side by side.
 
 A bfloat16 `nn.Linear` on CPU runs oneDNN's matmul, which reorders the whole weight into its blocked layout on
 every call: at one token per call that reorder is about a third of the call. Measured on one core of an Intel
@@ -106,6 +107,20 @@ def onednn_weights():
         _ONEDNN[0] = before
 
 
+@contextlib.contextmanager
+def unpacked(model: nn.Module):
+    """The model unpacked inside this block, packed again as it was after it (a method that runs from the dense
+    modules themselves, such as the compiled step, beside packed ones in one benchmark)."""
+    packed, small = is_packed(model), packs_small(model)
+    if packed:
+        unpack_weights(model)
+    try:
+        yield
+    finally:
+        if packed:
+            pack_weights(model, small_gemm=bool(small))
+
+
 def computing_with(weights: str):
     """The context for a baseline's weights: "packed" (as packed, nothing changed), "dense" or "onednn"."""
     return {"packed": contextlib.nullcontext, "dense": dense_weights, "onednn": onednn_weights}[weights]()
@@ -197,15 +212,10 @@ def small_kernel_revision(root: nn.Module) -> str | bool:
     return f"{KERNEL_REVISION}-{many_row_sums()}" if packs_small(root) else False
 
 
-def worth_packing(model: nn.Module) -> bool:
-    """Whether pack_weights would find something to pack."""
-    return packing_available() and any(packable(m) for m in model.modules())
-
-
 def apply_choice(model: nn.Module, choice: bool | None) -> None:
     """The pack_weights option of selfspec.load, bench and calibrate: True packs (and refuses a model with nothing
-    to pack), None packs where there is something to pack, False leaves the model dense."""
-    if choice or (choice is None and worth_packing(model)):
+    to pack); None and False leave the model dense."""
+    if choice:
         pack_weights(model)
 
 

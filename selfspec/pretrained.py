@@ -28,8 +28,9 @@ def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto
     written by `model.selfspec.save_pretrained` whose config records `base_model_path`, or any local HF model
     directory / hub id (wrapped with the default config). `heads` overrides where heads and config come from;
     keyword overrides replace config fields (exit_layer=8, drafter="hybrid", ...). pack_weights: prepack the
-    bfloat16 Linear weights on CPU (selfspec.pack_weights: the same tokens, faster steps, one more copy of those
-    weights in memory); None packs whenever the loaded model has such weights, False never.
+    bfloat16 Linear weights on CPU (selfspec.pack_weights, an opt-in: the same tokens, faster eager steps, one more
+    copy of those weights in memory); None or False leaves them dense. `compile=True` (an override) runs the
+    compiled step instead (compiled.py).
     """
     selfspec_dir = heads
     base = name_or_dir

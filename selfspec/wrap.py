@@ -10,11 +10,13 @@ import torch
 from transformers import PreTrainedModel
 
 from .arch import adapter_for
+from .attention import restore_attention, use_engine_attention
 from .cache import SlotTable, SpecCache
 from .config import SelfSpecConfig
 from .decoding import DecodeSettings, GenerationStats, speculative_decode
 from .drafters import build_drafter
 from .drafters.base import Drafter
+from .compiled import CompiledStep, compiler_missing, forget, step_for
 from .forward import StepContext
 from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
@@ -170,10 +172,25 @@ class SelfSpecEngine:
             self._call_tokenizers = (None, None)
         settings = engine.call_settings(drafter, settings)
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
-                          SlotTable(input_ids.shape[0], input_ids.device))
+                          SlotTable(input_ids.shape[0], input_ids.device), self.compiled_step(input_ids.device))
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)
         self.last_stats = stats  # the state (and its KV cache) goes back to the caller only, never kept here
         return sequences, state
+
+    def compiled_step(self, device: torch.device) -> CompiledStep | None:
+        """The engine's compiled passes when its config asks for them (kept across calls), else None; where no
+        compiler can run, one line says so and decoding runs eager."""
+        if not self.config.compile:
+            return None
+        missing = compiler_missing(device)
+        if missing:
+            warn_once(f"selfspec: compile=True, but {missing}; decoding runs eager.", stacklevel=5)
+            return None
+        return step_for(self.model, device)
+
+    def reset_compiled(self) -> None:
+        """Drop the compiled graphs (they hold the weights as compiled): the next call compiles anew."""
+        forget(self.model)
 
     def save_pretrained(self, directory: str) -> str:
         """Write only what selfspec adds (config JSON + head weights as safetensors); returns the config path."""
@@ -281,6 +298,7 @@ def wrap(model, config=None, **overrides):
             engine.add_head(head)
     model.selfspec = engine
     model.generate = types.MethodType(wrapped_generate, model)
+    use_engine_attention(model)
     return model
 
 
@@ -317,4 +335,5 @@ def unwrap(model):
         raise ValueError("This model is not wrapped by selfspec.")
     del model.generate
     del model.selfspec
+    restore_attention(model)
     return model

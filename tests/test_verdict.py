@@ -174,11 +174,9 @@ def test_bf16_padded_batches_of_smollm2_have_no_false_differs(bf16_smollm2):
     generate over the same batch is judged against that batch's logits, and none is a bug. Where a row's unpadded
     logits do not even reproduce the batch's reference, judging against them would have said DIFFERS."""
     from selfspec.models import load_default_model
-    from selfspec.packing import apply_choice
     from selfspec.tools import bench
 
     model, tok = load_default_model(dtype=torch.bfloat16)
-    apply_choice(model, None)  # packed as `selfspec bench` runs it
     config = bench.BenchConfig(limit=4, categories=("qa", "summarization"), max_new_tokens=64, batch_size=4,
                                methods=("hf-greedy", "selfspec-hybrid"), warmup_tokens=4)
     work = bench.build_workload(tok, config)

@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..attention import ENGINE_ATTENTION, ENGINE_CALL
 from ..packing import is_packed_module, pack_matrix, packed_linear
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+# keyword arguments of every decoder-layer call the engine makes: transformers hands them to the attention function
+ENGINE_KWARGS = {ENGINE_CALL: True}
 
 
 class ArchAdapter:
@@ -31,6 +34,7 @@ class ArchAdapter:
         self.model = model
         self.config = model.config.get_text_config(decoder=True)
         impl = getattr(self.config, "_attn_implementation", None) or "eager"
+        impl = "sdpa" if impl == ENGINE_ATTENTION else impl  # sdpa, with the engine's calls folded (attention.py)
         if impl not in SUPPORTED_ATTENTION:
             raise ValueError(
                 f"selfspec needs attn_implementation 'sdpa' or 'eager' (it builds per-row attention masks with "
@@ -41,6 +45,8 @@ class ArchAdapter:
         # Device of the token ids of the current decode call (set by forward.StepContext). Logits go back there:
         # under an accelerate device map each module leaves its output on its own device.
         self.home: torch.device | None = None
+        # The compiled step of the current decode call (compiled.py; set by forward.StepContext), None: eager.
+        self.compiled = None
 
     # --- structure -------------------------------------------------------------------------------
     @property
@@ -101,7 +107,11 @@ class ArchAdapter:
     def logits(self, normed: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """LM head on final-normed states (B, T, H) -> (B, T, V), or only the rows `vocab_ids` -> (B, T, len)."""
         head = self.lm_head
-        out = head(normed) if vocab_ids is None else _head_rows(head, normed, vocab_ids)
+        out = None
+        if vocab_ids is None and self.compiled is not None:
+            out = self.compiled.logits(self, normed)
+        if out is None:
+            out = head(normed) if vocab_ids is None else _head_rows(head, normed, vocab_ids)
         return out if self.home is None else out.to(self.home)
 
     def cap_logits(self, out: torch.Tensor) -> torch.Tensor:

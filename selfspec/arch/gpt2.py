@@ -1,7 +1,7 @@
 """GPT-2: learned absolute positions added to the token embedding, blocks in `transformer.h`, `ln_f`."""
 from __future__ import annotations
 
-from .base import ArchAdapter
+from .base import ArchAdapter, ENGINE_KWARGS
 
 
 class GPT2Adapter(ArchAdapter):
@@ -24,7 +24,8 @@ class GPT2Adapter(ArchAdapter):
         return tokens + self.base.wpe(positions.clamp(min=0)).to(tokens.device)
 
     def call_module(self, layer, i, hidden, mask, positions, rotary, cache):
-        return layer(hidden, cache=cache, attention_mask=mask, use_cache=True, position_ids=positions)
+        return layer(hidden, cache=cache, attention_mask=mask, use_cache=True, position_ids=positions,
+                     **ENGINE_KWARGS)
 
     @property
     def norm(self):

@@ -2,7 +2,7 @@
 as `layer_past=`."""
 from __future__ import annotations
 
-from .base import ArchAdapter
+from .base import ArchAdapter, ENGINE_KWARGS
 
 
 class GPTNeoXAdapter(ArchAdapter):
@@ -28,7 +28,7 @@ class GPTNeoXAdapter(ArchAdapter):
     def call_module(self, layer, i, hidden, mask, positions, rotary, cache):
         return layer(
             hidden, attention_mask=mask, position_ids=positions, layer_past=cache, use_cache=True,
-            position_embeddings=rotary,
+            position_embeddings=rotary, **ENGINE_KWARGS,
         )
 
     @property

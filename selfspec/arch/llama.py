@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FULL, SLIDING, ArchAdapter, _accepts
+from .base import ArchAdapter, ENGINE_KWARGS, FULL, SLIDING, _accepts
 
 
 class LlamaAdapter(ArchAdapter):
@@ -44,6 +44,7 @@ class LlamaAdapter(ArchAdapter):
             position_ids=positions,
             cache=cache,
             use_cache=True,
+            **ENGINE_KWARGS,
         )
 
     @property

@@ -66,10 +66,11 @@ class BenchConfig:
     warmup_tokens: int = 16
     tune_tokens: int = 32
     dtype: str = "auto"  # auto: the checkpoint's own; the embedded model: bf16 where the CPU/GPU computes it
-    # selfspec.pack_weights before every method, as selfspec.load does: None = where there are bf16 CPU weights
+    # selfspec.pack_weights before every method (an opt-in; None: dense weights)
     pack_weights: bool | None = None
     device: str = "cpu"
     threads: int | None = None
+    compile: bool = False  # every selfspec method runs compiled (as its -compiled variant)
     chat_template: bool = True
     output: str | None = None
     strict: bool = False
@@ -150,6 +151,7 @@ class Method:
     """One way of generating. `run` returns the tokens and the time of one `generate` call on a batch."""
 
     description = ""
+    compile = False  # runs compiled: minutes of warm-up, so only when asked for by name
     hf_assisted = False  # Hugging Face's assisted generation supports batch size 1 only
     # "packed": the model's weights as they are; "dense" or "onednn": a baseline computing from the dense weights, or
     # from the packed ones without the small-row kernel, where the model's are packed (selfspec.pack_weights)
@@ -168,9 +170,11 @@ class HFMethod(Method):
     """The unwrapped model's own `generate`, with extra kwargs (assisted generation) from the harness."""
 
     def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None,
-                 chunk: Callable[["Harness"], int] | None = None, weights: str = "packed"):
+                 chunk: Callable[["Harness"], int] | None = None, weights: str = "packed", assisted: bool = True,
+                 compile: bool = False):
         self.description, self.extra, self.chunk = description, extra, chunk
-        self.hf_assisted, self.weights = extra is not None, weights
+        self.hf_assisted, self.weights = extra is not None and assisted, weights
+        self.compile = compile  # runs on the model unpacked: the compiler traces the modules themselves
 
     def verify_chunk(self, h):
         return self.chunk(h) if self.chunk else super().verify_chunk(h)
@@ -178,8 +182,11 @@ class HFMethod(Method):
     def run(self, h, batch, reference, max_new):
         from ..packing import computing_with
 
+        from ..packing import unpacked
+
         counter = CandidateCounter()
-        with counter.attached(h.model), computing_with(self.weights):
+        with unpacked(h.model) if self.compile else contextlib.nullcontext(), counter.attached(h.model), \
+                computing_with(self.weights):
             rows, seconds = h.timed_generate(batch, max_new, **(self.extra(h) if self.extra else {}))
         new = sum(len(r) for r in rows)
         if not self.hf_assisted:
@@ -193,9 +200,17 @@ class EngineMethod(Method):
     """The model wrapped by selfspec with a drafter; `trained` adds the heads/config of --heads (or shipped)."""
 
     def __init__(self, description: str, drafter: str, trained: bool = False, oracle: bool = False,
-                 tree: bool = False):
+                 tree: bool = False, weights: str = "packed", compile: bool = False):
         self.description, self.drafter, self.trained, self.oracle = description, drafter, trained, oracle
         self.tree = tree  # draft trees (the calibrated tree shape, else DEFAULT_TREE)
+        # compile: the engine's compiled step (compiled.py), run on the model unpacked (Inductor prepacks the weights
+        # itself), its compile time left out of the time measured (the warm-up a server pays once)
+        self.weights, self.compile = weights, compile
+
+    def variant(self, description: str, **changes) -> "EngineMethod":
+        fields = dict(description=description, drafter=self.drafter, trained=self.trained, oracle=self.oracle,
+                      tree=self.tree, weights=self.weights, compile=self.compile)
+        return EngineMethod(**{**fields, **changes})
 
     def verify_chunk(self, h):
         return verify_chunk(h.engine_config(self.drafter, self.trained, self.tree))
@@ -206,17 +221,30 @@ class EngineMethod(Method):
         return self.run_once(h, batch, max_new)
 
     def run_once(self, h, batch, max_new, oracle_rows=None) -> Outcome:
+        from ..packing import unpack_weights, unpacked
+
+        config = h.engine_config(self.drafter, self.trained, self.tree)
+        compiled = self.compile or h.cfg.compile
+        if compiled:  # heads too: a packed method packs them as it adds them (SelfSpecEngine.add_head)
+            for head in h.heads.values():
+                unpack_weights(head)
+        with unpacked(h.model) if compiled else contextlib.nullcontext():
+            return self._run_wrapped(h, batch, max_new, config.replace(compile=compiled), oracle_rows)
+
+    def _run_wrapped(self, h, batch, max_new, config, oracle_rows) -> Outcome:
         import selfspec
         from ..drafters.oracle import OracleDrafter
+        from ..packing import computing_with
 
-        selfspec.wrap(h.model, h.engine_config(self.drafter, self.trained, self.tree))
+        selfspec.wrap(h.model, config)
         try:
             engine = h.model.selfspec
             for head in (h.heads.values() if self.trained else ()):
                 engine.add_head(head)
             if oracle_rows is not None:
                 engine.drafter_override = OracleDrafter.from_rows(oracle_rows)
-            rows, seconds = h.timed_generate(batch, max_new)
+            with computing_with(self.weights):
+                rows, seconds = h.timed_generate(batch, max_new)
             stats = engine.last_stats
         finally:
             selfspec.unwrap(h.model)
@@ -239,6 +267,16 @@ class EngineMethod(Method):
         return outcome
 
 
+def _static_compiled(h) -> dict:
+    """generate() arguments for Hugging Face's own compiled decoding: a static cache, its forward compiled (on every
+    device: transformers compiles on CUDA only unless told)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="reduce-overhead" if h.model.device.type == "cuda" else "default")
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
 # name -> method. Adding a drafter to the benchmark is one line here.
 METHODS: dict[str, Method] = {
     "hf-greedy": HFMethod("plain model.generate (the 1.00x baseline)"),
@@ -247,6 +285,9 @@ METHODS: dict[str, Method] = {
                                 weights="dense"),
     "hf-greedy-onednn": HFMethod("plain model.generate from the packed weights without the small-row kernel (where "
                                  "it runs: what the kernel gains; else the same as hf-greedy)", weights="onednn"),
+    "hf-greedy-compiled": HFMethod("plain model.generate with Hugging Face's static cache and torch.compile "
+                                   "(its compile_config), the stronger baseline", _static_compiled, assisted=False,
+                                   compile=True),
     "hf-early-exit": HFMethod("Hugging Face assistant_early_exit=E (E chosen on train-split prompts)",
                               lambda h: {"assistant_early_exit": h.hf_exit_layer}),
     "hf-prompt-lookup": HFMethod("Hugging Face prompt_lookup_num_tokens=N",
@@ -264,6 +305,13 @@ METHODS: dict[str, Method] = {
     "selfspec-hybrid-tree": EngineMethod("selfspec hybrid drafting trees: n-gram branches and the head's tree",
                                          "hybrid", trained=True, tree=True),
 }
+# The same drafters eager from the dense weights (where the weights are packed: what packing gains them) and
+# compiled (compiled.py): the speed layers side by side
+for _name in ("selfspec", "selfspec-ngram", "selfspec-hybrid", "selfspec-tree"):
+    METHODS[f"{_name}-dense"] = METHODS[_name].variant(METHODS[_name].description + ", eager from the dense weights",
+                                                       weights="dense")
+    METHODS[f"{_name}-compiled"] = METHODS[_name].variant(METHODS[_name].description + ", compiled step",
+                                                          compile=True)
 # The tree shape of a tree method when the calibration recorded none for its drafter (per_drafter["<drafter>-tree"]).
 DEFAULT_TREE = {"draft_tree_top_k": 4, "draft_tree_size": 16}
 CORE_METHODS = ("hf-greedy", "hf-early-exit", "hf-prompt-lookup", "selfspec-untrained", "selfspec", "selfspec-ar",
@@ -279,7 +327,8 @@ def drafter_available(method: Method) -> bool:
 def default_methods(registry: dict[str, Method] = METHODS) -> tuple:
     """The core methods plus every other registered method whose drafter exists in this checkout."""
     extra = [n for n in registry if n not in CORE_METHODS and drafter_available(registry[n])
-             and registry[n].weights == "packed"]  # the other baselines only matter where the weights are packed
+             and registry[n].weights == "packed"  # the other baselines only matter where the weights are packed
+             and not registry[n].compile]  # compiling takes minutes: asked for by name
     return CORE_METHODS + tuple(extra)
 
 
@@ -403,7 +452,8 @@ class Harness:
         if self.cfg.sample:
             torch.manual_seed(self.cfg.seed)
         kwargs = {**self.generate_kwargs(max_new), **extra}
-        out, seconds = timed(lambda: self.model.generate(ids, attention_mask=mask, **kwargs), self.device)
+        out, seconds = timed(lambda: self.model.generate(ids, attention_mask=mask, **kwargs), self.device,
+                             self.model)
         new = out[:, ids.shape[1]:].tolist()
         return [trim_at_eos(row, self.eos_ids) for row in new], seconds
 
@@ -825,11 +875,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPU/GPU computes it in hardware, else float32")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="prepack the bf16 Linear weights for every method (selfspec.pack_weights, CPU), as "
-                        "selfspec.load does (default: where there are such weights); add the method "
-                        "hf-greedy-dense to measure what packing gains%(default).0s")
+                   help="prepack the bf16 Linear weights for every method (selfspec.pack_weights, CPU; default: "
+                        "dense weights); add the method hf-greedy-dense to measure what packing gains%(default).0s")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's)%(default).0s")
+    p.add_argument("--compile", action="store_true",
+                   help="every selfspec method runs compiled (selfspec/compiled.py), its compile time left out of its "
+                        "time; the -compiled methods do so one by one")
     p.add_argument("--no-chat-template", action="store_true",
                    help="feed the raw question text instead of the chat template%(default).0s")
     p.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens,
@@ -869,6 +921,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf_exit_layers=hf_exits, prompt_lookup_tokens=args.prompt_lookup_tokens, sample=args.sample,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_tokens=args.warmup_tokens,
         tune_tokens=args.tune_tokens, dtype=args.dtype, device=args.device, threads=args.threads,
+        compile=args.compile,
         pack_weights=args.pack_weights, chat_template=not args.no_chat_template, output=args.output,
         strict=args.strict)
 

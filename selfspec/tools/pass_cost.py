@@ -5,20 +5,15 @@ speculative decoding can pay on a device (a verify pass over K+1 tokens must cos
     python -m selfspec.tools.pass_cost --dtypes float32 bfloat16 --tokens 1 3 5 7 9 --cache 200 --repeats 12
     python -m selfspec.tools.pass_cost --dtypes bfloat16 bfloat16-packed      # with selfspec.pack_weights
     python -m selfspec.tools.pass_cost --dtypes bfloat16-onednn bfloat16-packed   # without, with the small-row kernel
-    python -m selfspec.tools.pass_cost --dtypes bfloat16-packed --gqa-in-place --cache 800   # and repeat_kv's share
 
 Plain transformers, no selfspec: the embedded SmolLM2 (or --model) with a DynamicCache holding `--cache` tokens;
 each timed pass appends T tokens and is cropped back, so every pass sees the same cache. Passes of every
 (dtype, T) are interleaved repeat by repeat so that load drifting on a shared machine hits them alike; the
 table shows the median time of the 1-token pass and the median of each T-token pass divided by it.
---gqa-in-place adds a row per dtype whose passes run with TRANSFORMERS_SDPA_FORCE_GQA=1, as selfspec's own
-passes do on CPU (selfspec/forward.py): sdpa attends grouped KV heads in place instead of copying them
-(repeat_kv) wherever a T > 1 pass carries a mask; its ratios are to the plain row's 1-token pass.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -36,8 +31,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=12, help="interleaved repeats per (dtype, T); median reported")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--gqa-in-place", action="store_true",
-                   help="also time each dtype with TRANSFORMERS_SDPA_FORCE_GQA=1 (no repeat_kv under a mask)")
     return p.parse_args(argv)
 
 
@@ -75,7 +68,6 @@ def time_pass(model, cache, t: int, device) -> float:
 
 @torch.no_grad()
 def measure(args) -> dict:
-    from selfspec.forward import gqa_in_sdpa
     from selfspec.models import resolve_model
 
     device = torch.device(args.device)
@@ -89,29 +81,21 @@ def measure(args) -> dict:
         runs[name] = (model, prefilled_cache(model, args.cache, device))
         for t in args.tokens:  # warm-up: first calls allocate and pick kernels
             time_pass(model, runs[name][1], t, device)
-    variants = [(name, gqa) for name in args.dtypes for gqa in ([False, True] if args.gqa_in_place else [False])]
-    times = {(row_name(name, gqa), t): [] for name, gqa in variants for t in args.tokens}
+    times = {(name, t): [] for name in args.dtypes for t in args.tokens}
     for _ in range(args.repeats):
-        for name, gqa in variants:
+        for name in args.dtypes:
             model, cache = runs[name]
-            with gqa_in_sdpa() if gqa else contextlib.nullcontext():
-                for t in args.tokens:
-                    times[row_name(name, gqa), t].append(time_pass(model, cache, t, device))
+            for t in args.tokens:
+                times[name, t].append(time_pass(model, cache, t, device))
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def row_name(name: str, gqa: bool) -> str:
-    return f"{name}, GQA in place" if gqa else name
-
-
-def table(medians: dict, dtypes, tokens, gqa: bool = False) -> str:
+def table(medians: dict, dtypes, tokens) -> str:
     head = "| dtype | 1-token pass | " + " | ".join(f"T={t}" for t in tokens if t != 1) + " |"
     lines = [head, "|---" * (len(tokens) + 1) + "|"]
     for name in dtypes:
-        unit = medians[name, 1]
-        for row in [name, row_name(name, True)] if gqa else [name]:
-            cells = [f"{medians[row, t] / unit:.2f}x" for t in tokens if t != 1]
-            lines.append(f"| {row} | {medians[row, 1] * 1e3:.1f} ms | " + " | ".join(cells) + " |")
+        cells = [f"{medians[name, t] / medians[name, 1]:.2f}x" for t in tokens if t != 1]
+        lines.append(f"| {name} | {medians[name, 1] * 1e3:.1f} ms | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -123,7 +107,7 @@ def main(argv=None) -> None:
     args.tokens = tokens
     medians = measure(args)
     print(f"{args.model}, cache {args.cache} tokens, {torch.get_num_threads()} thread(s), median of {args.repeats}")
-    print(table(medians, args.dtypes, tokens, args.gqa_in_place))
+    print(table(medians, args.dtypes, tokens))
 
 
 if __name__ == "__main__":

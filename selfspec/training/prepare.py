@@ -57,6 +57,7 @@ class PrepareConfig:
     device: str = "cpu"
     dtype: str = "auto"
     threads: int | None = None
+    compile: bool = False  # calibrate and report compiled
     stage_seconds: dict = field(default_factory=dict)  # the budget's split, filled in by plan_budget
 
 
@@ -257,7 +258,7 @@ def stage_calibrate(run: Run) -> dict:
 
     cfg = run.cfg
     argv = ["--model", cfg.model, "--heads", str(run.out), "--output", str(run.out), "--device", cfg.device,
-            "--dtype", cfg.dtype, *run.common()]
+            "--dtype", cfg.dtype, *run.common(), *(["--compile"] if cfg.compile else [])]
     # the study's timeout bounds its search only; its setup (plain timings, the cost model, second turns) and the
     # final re-timing take about as long again, so the search gets half the stage's share
     seconds = run.seconds("calibrate")
@@ -277,7 +278,7 @@ def stage_report(run: Run) -> dict:
     argv = ["--model", cfg.model, "--heads", str(run.out), "--limit", str(cfg.eval_prompts), "--max-new-tokens",
             str(cfg.max_new_tokens), "--methods", "hf-greedy", "hf-prompt-lookup", "selfspec", "selfspec-ngram",
             "selfspec-hybrid", "--output", str(run.out / "bench"), "--device", cfg.device, "--dtype", cfg.dtype,
-            *run.common()]
+            *run.common(), *(["--compile"] if cfg.compile else [])]
     if not run.facts["chat_template"]:
         argv.append("--no-chat-template")
     bench.main(argv)
@@ -352,6 +353,8 @@ def parse_args(argv) -> PrepareConfig:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"],
                    help="model precision; auto: the checkpoint's, or bf16 where the device computes it")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    p.add_argument("--compile", action="store_true",
+                   help="calibrate and report with the compiled step (selfspec/compiled.py); the config asks for it")
     a = p.parse_args(argv)
     for flag, value in (("--collect-tokens", a.collect_tokens), ("--steps", a.steps), ("--trials", a.trials),
                         ("--eval-prompts", a.eval_prompts), ("--max-new-tokens", a.max_new_tokens)):
@@ -373,7 +376,7 @@ def parse_args(argv) -> PrepareConfig:
                          collect_tokens=a.collect_tokens, steps=a.steps, trials=a.trials,
                          calibration_prompts=a.calibration_prompts, eval_prompts=a.eval_prompts,
                          max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype, threads=a.threads,
-                         stage_seconds=stage_seconds)
+                         stage_seconds=stage_seconds, compile=a.compile)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from ...wrap import wrap
 from .space import SearchSpec, default_space_path, describe, load_search_spec
-from .study import calibrate
+from .study import _ensure_wrapped, calibrate
 from .trials import encode_turns, load_calibration_prompts
 
 
@@ -45,9 +45,11 @@ def parse_args(argv) -> argparse.Namespace:
                    help="model precision; auto = the checkpoint's dtype, or for the embedded model bfloat16 where "
                         "the device computes it in hardware, else float32 (default: auto)")
     p.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
+    p.add_argument("--compile", action="store_true", help="trials run compiled (selfspec/compiled.py), and so does "
+                   "the config written; the compile time of each new pass shape is left out of the timings")
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="prepack bf16 Linear weights on CPU (selfspec.pack_weights) for every trial and the plain "
-                        "baseline, as selfspec.load does (default: pack where there are such weights)")
+                        "baseline (default: dense weights)")
     return p.parse_args(argv)
 
 
@@ -81,6 +83,9 @@ def _load_model(args):
     apply_choice(model, args.pack_weights)
     if args.heads:
         wrap(model, args.heads)  # config and heads saved by save_pretrained
+    if args.compile:
+        _ensure_wrapped(model)
+        model.selfspec.config = model.selfspec.config.replace(compile=True)
     return model, tokenizer
 
 

@@ -128,7 +128,7 @@ def time_generation(model, prompts: list[torch.Tensor], new_tokens: int, plain: 
     device = prompts[0].device
     outputs, seconds, totals = [], 0.0, dict.fromkeys(_STAT_KEYS, 0)
     for ids in prompts:
-        out, took = timed(lambda: generate_once(model, ids, new_tokens, plain, measure), device)
+        out, took = timed(lambda: generate_once(model, ids, new_tokens, plain, measure), device, model)
         seconds += took
         outputs.append(out.cpu())
         if not plain:

@@ -1,0 +1,245 @@
+"""The static-shape step: the engine's passes after the prompt run through torch.compile.
+
+    selfspec.wrap(model, compile=True)      # or SelfSpecConfig(compile=True), or --compile on the command line
+
+Every pass the engine makes once the prompt is in (a drafted token through layers [0, E), a verify pass through
+[E, L), a tree, the LM head over a verify pass) runs a compiled function of a few fixed shapes:
+
+- the T query tokens are padded up to a bucket (BUCKETS); a padding row attends its own slot only, and writes its KV
+  to a slot past the live ones, where nothing reads it before a real token overwrites it;
+- the KV cache is the preallocated, zeroed buffer of each layer (cache.SpecLayer), written at slot indices given as a
+  tensor (index_copy_) and read up to the pass's last slot. On a CPU that length is the one dimension marked dynamic,
+  so a growing sequence never recompiles; on CUDA the whole buffer is read (static, as CUDA graphs need it), and the
+  buffer's size is rounded up to a power of two;
+- positions, masks and slot indices are tensors.
+
+So each (layer range, bucket, batch) compiles once, and nothing recompiles after the warm-up (tests/test_compiled.py
+counts). On a CPU, Inductor's freezing prepacks the weights for oneDNN (what selfspec's own packing did by hand); on
+CUDA, mode="reduce-overhead" captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager
+step of a small model. The prompt, whose length changes from call to call, and a head's own layers run eager.
+
+The compiled graphs hold the weights as they were when compiled (freezing folds them in as constants): a model
+whose weights change afterwards gets `model.selfspec.reset_compiled()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+import warnings
+import weakref
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 32)  # query tokens per compiled pass, padded up to the next
+MAX_GRAPHS = 64  # compiled graphs per function (layer ranges x buckets x batch sizes x head shapes)
+
+
+def bucket(tokens: int) -> int | None:
+    """The compiled pass size a pass of `tokens` tokens runs at, or None (eager) past the largest."""
+    return next((b for b in BUCKETS if b >= tokens), None)
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why torch.compile cannot run on this device, or None. Inductor writes C++ for a CPU and needs a compiler."""
+    if device.type == "cpu" and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        return "no C++ compiler (g++ or clang++) is on PATH for torch.compile's CPU code"
+    if device.type not in ("cpu", "cuda"):
+        return f"the compiled step supports CPU and CUDA, not {device.type}"
+    return None
+
+
+class _SlotWriter:
+    """The cache a compiled pass hands the model's layers: `update` writes the new KV at the pass's slots (a tensor,
+    so no length is a Python number the compiler would specialise on) and returns the layer's buffer up to `length`."""
+
+    def __init__(self, keys, values, slots, length: int, first: int):
+        self.keys, self.values, self.slots, self.length, self.first = keys, values, slots, length, first
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx - self.first], self.values[layer_idx - self.first]
+        k.index_copy_(2, self.slots, key_states)
+        v.index_copy_(2, self.slots, value_states)
+        return k[:, :, : self.length], v[:, :, : self.length]
+
+
+def layer_range(adapter, start: int, stop: int, hidden, positions, masks: dict, slots, keys, values):
+    """Layers [start, stop) on padded (B, Tb, H) states at (B, Tb) positions; masks {window: (B, 1, Tb, S)} over
+    the first S slots; the KV of the Tb tokens goes to `slots` (Tb,) of each layer's buffer in keys/values."""
+    length = next(iter(masks.values())).shape[-1]
+    cache = _SlotWriter(keys, values, slots, length, start)
+    rotary = adapter.rotary(hidden, positions)
+    for i in range(start, stop):
+        hidden = adapter.call_layer(i, hidden, masks[adapter.window(i)], positions, rotary, cache)
+    return hidden
+
+
+def head_logits(adapter, normed):
+    """The LM head on (B, Tb, H) final-normed states -> (B, Tb, V) (ArchAdapter.logits caps them where needed)."""
+    return adapter.lm_head(normed)
+
+
+# (device type) -> (compiled layer_range, compiled head_logits): one compiled function each, whatever the model, so
+# that Dynamo's graphs (kept per function) serve every engine; the graphs themselves are per model (guards)
+_FUNCTIONS: dict[str, tuple] = {}
+# model -> {device: its CompiledStep}: the steps outlive a wrap, as the graphs do
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _functions(device: torch.device) -> tuple:
+    if device.type not in _FUNCTIONS:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        # dynamic=False: every shape is static except those marked dynamic (the cache lengths, on a CPU)
+        _FUNCTIONS[device.type] = (torch.compile(layer_range, mode=mode, dynamic=False),
+                                   torch.compile(head_logits, mode=mode, dynamic=False))
+    return _FUNCTIONS[device.type]
+
+
+def step_for(model, device: torch.device) -> CompiledStep:
+    """The compiled step of this model on this device, made at its first use and kept while the model lives."""
+    steps = _STEPS.setdefault(model, {})
+    if device not in steps:
+        steps[device] = CompiledStep(device)
+    return steps[device]
+
+
+def forget(model) -> None:
+    """Drop a model's compiled steps and every graph Dynamo holds (they hold the weights as compiled)."""
+    _STEPS.pop(model, None)
+    torch._dynamo.reset()
+
+
+def warmup_seconds(model) -> float:
+    """Seconds this model's passes have spent compiling so far, on every device."""
+    return sum(step.warmup_seconds for step in _STEPS.get(model, {}).values())
+
+
+class CompiledStep:
+    """The compiled passes of one model on one device; kept across generate calls and wraps (step_for)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._layers, self._logits = _functions(device)
+        self.warmup_seconds = 0.0
+        self._seen: set = set()  # shapes compiled so far: a new one is timed as warm-up
+        self._announced = False
+        self.recompiles = 0  # passes of a shape compiled before that compiled again (none expected)
+
+    def capacity(self, needed: int) -> int:
+        """KV slots to allocate for a call whose longest sequence needs `needed`: room for a padded pass past it,
+        plus one (a read length equal to the whole buffer would be a shape of its own); a power of two on CUDA."""
+        slots = needed + BUCKETS[-1] + 1
+        return 1 << (slots - 1).bit_length() if self.cuda else slots
+
+    def _call(self, fn, key, *args):
+        first = key not in self._seen
+        start = time.perf_counter() if first else 0.0
+        try:
+            out = self._guarded_call(fn, args, skip_guards=not first)
+        except RuntimeError as err:  # a shape compiled before asked to compile again: let it, and count it
+            if "skip_guard_eval_unsafe" not in str(err):
+                raise
+            self.recompiles += 1
+            out = self._guarded_call(fn, args, skip_guards=False)
+        if first:
+            self._seen.add(key)
+            self.warmup_seconds += time.perf_counter() - start
+        return out
+
+    def _guarded_call(self, fn, args, skip_guards: bool):
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS, automatic_dynamic_shapes=False))
+            if not self.cuda:  # prepack the weights for oneDNN; on CUDA the weights are used as they are
+                scope.enter_context(torch._inductor.config.patch(freezing=True))
+            if skip_guards:  # a shape compiled before: check only the guards that tell its graph from the others'
+                scope.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
+            return fn(*args)
+
+    def can_run(self, cache, start: int, stop: int, tokens: int) -> bool:
+        tb = bucket(tokens)
+        if tb is None or start >= stop:
+            return False
+        q_start = cache.layer_length(start)
+        return all(layer._k is not None and layer._k.shape[-2] > q_start + tb and layer.length == q_start
+                   for layer in cache.layers[start:stop])
+
+    def run_layers(self, ctx, hidden, positions, start: int, stop: int, slot_positions=None) -> torch.Tensor:
+        """forward.run_layers for a pass that can_run: pad, run the compiled range, record the new lengths."""
+        from .masks import build_mask
+
+        adapter, cache, table = ctx.adapter, ctx.cache, ctx.slots
+        b, t, _ = hidden.shape
+        tb = bucket(t)
+        q_start = cache.layer_length(start)
+        if start == 0:
+            table.write(q_start, positions if slot_positions is None else slot_positions)
+        layers = cache.layers[start:stop]
+        full = layers[0]._k.shape[-2]
+        length = full - 1 if self.cuda else q_start + tb
+        live = table.view(q_start + t)
+        masks = {}
+        for i in range(start, stop):
+            window = adapter.window(i)
+            if window not in masks:
+                real = build_mask(live, positions, q_start, window, hidden.dtype, "sdpa", table.tree)
+                masks[window] = _padded_mask(real, q_start, t, tb, length, hidden.dtype, adapter.attn_impl)
+        keys, values = [layer._k for layer in layers], [layer._v for layer in layers]
+        if not self.cuda:  # the read length and the buffers' size (a call's longest sequence) vary: no recompile
+            for mask in masks.values():
+                torch._dynamo.mark_dynamic(mask, 3)  # (B, 1, Tb, S): S
+            for buffer in (*keys, *values):
+                torch._dynamo.mark_dynamic(buffer, 2)  # (B, heads, capacity, head_dim): capacity
+        else:  # CUDA graphs replay fixed addresses: the buffers they write in place must be marked as such
+            for buffer in (*keys, *values):
+                torch._dynamo.mark_static_address(buffer)
+        pad = tb - t
+        if pad:
+            hidden = torch.cat([hidden, hidden.new_zeros(b, pad, hidden.shape[-1])], dim=1)
+            positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
+        hidden, positions = _dense(hidden), _dense(positions)
+        slots = torch.arange(q_start, q_start + tb, device=hidden.device)
+        out = self._call(self._layers, ("layers", start, stop, b, tb), adapter, start, stop, hidden, positions,
+                         masks, slots, keys, values)
+        for layer in layers:
+            layer.advance(t)
+        self._announce()
+        return out[:, :t].clone() if self.cuda else out[:, :t]
+
+    def logits(self, adapter, normed: torch.Tensor) -> torch.Tensor | None:
+        """The LM head over (B, T, H) states through the compiled head, or None where it does not run compiled."""
+        b, t, _ = normed.shape
+        tb = bucket(t)
+        if tb is None or torch.is_grad_enabled():
+            return None
+        if tb > t:
+            normed = torch.cat([normed, normed.new_zeros(b, tb - t, normed.shape[-1])], dim=1)
+        normed = _dense(normed)
+        out = self._call(self._logits, ("logits", b, tb), adapter, normed)
+        return out[:, :t].clone() if self.cuda else out[:, :t]
+
+    def _announce(self) -> None:
+        if not self._announced and self.warmup_seconds > 0:
+            self._announced = True
+            warnings.warn(f"selfspec: compiling the step (the first passes of each shape compile; "
+                          f"{self.warmup_seconds:.0f} s so far); later calls reuse the graphs.", stacklevel=2)
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x with the strides of a new tensor of its shape: strides are part of a graph's guards, and a slice of size 1
+    in a dimension is contiguous with any stride there."""
+    return x.new_empty(x.shape).copy_(x)
+
+
+def _padded_mask(real, q_start: int, t: int, tb: int, length: int, dtype, impl: str) -> torch.Tensor:
+    """(B, 1, Tb, length) mask from the real queries' (B, 1, t, q_start + t) boolean mask: padding rows see their
+    own slot only, and no row sees a slot past the real ones."""
+    b = real.shape[0]
+    mask = real.new_zeros(b, 1, tb, length)
+    mask[:, :, :t, : q_start + t] = real
+    if tb > t:
+        own = torch.arange(t, tb, device=real.device)
+        mask[:, :, own, q_start + own] = True
+    if impl == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

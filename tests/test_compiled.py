@@ -1,0 +1,85 @@
+"""The compiled step (selfspec/compiled.py): Hugging Face's greedy tokens, and no recompilation after the warm-up."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TEST_DEVICE, make_model, padded_batch, prompt
+from torch._dynamo.utils import counters
+
+import selfspec
+from selfspec import compiled
+
+GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+
+
+def _plain(model, ids, mask=None):
+    return model.generate(ids, attention_mask=mask, **GEN)
+
+
+def _graphs() -> int:
+    """Frames Dynamo has compiled in this process so far (one per graph, recompilations included)."""
+    return counters["frames"]["ok"]
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("mistral", marks=pytest.mark.slow),
+                                    pytest.param("gpt2", marks=pytest.mark.slow),
+                                    pytest.param("gpt_neox", marks=pytest.mark.slow)])
+def test_compiled_greedy_is_hugging_faces_in_float32(family):
+    model = make_model(family, dtype=torch.float32)
+    ids, (batch, mask) = prompt(seed=11, length=12), padded_batch(seed=12)
+    plain_one, plain_batch = _plain(model, ids), _plain(model, batch, mask)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, compile=True)
+    try:
+        assert torch.equal(_plain(model, ids), plain_one)
+        assert model.selfspec.last_stats.accepted_tokens > 0  # drafts were verified, some accepted
+        assert torch.equal(_plain(model, batch, mask), plain_batch)
+        assert compiled.warmup_seconds(model) > 0  # the passes did run compiled
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_each_shape_compiles_once():
+    """Drafts of every length (the n-gram drafter's run from 0 to K, the head's stop early at its threshold), trees,
+    and a cache that grows at every step and is sized anew by every call: each pass shape (layer range, bucket,
+    batch) compiles once, in one graph, and no pass recompiles after its shape's first."""
+    model = make_model("qwen2", dtype=torch.float32)
+    selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=4, draft_confidence_threshold=0.3,
+                  hybrid_policy="lookup-when-unsure", compile=True)
+    try:
+        counters.clear()
+        for tree in (1, 2):
+            model.selfspec.config = model.selfspec.config.replace(draft_tree_top_k=tree, draft_tree_size=6)
+            for seed in range(1, 6):
+                _plain(model, prompt(seed=seed, length=5 + 7 * seed))
+                assert model.selfspec.last_stats.drafted_tokens > 0
+        step = compiled.step_for(model, model.device)
+        assert len(step._seen) >= 4  # draft and verify ranges at several buckets, and the LM head
+        assert _graphs() == len(step._seen), "a pass recompiled, or a graph broke in two"
+    finally:
+        selfspec.unwrap(model)
+
+
+def test_without_a_compiler_it_says_so_once_and_runs_eager(monkeypatch):
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the C++ compiler is what a CPU needs")
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    model = make_model("llama", dtype=torch.float32)
+    ids = prompt(seed=21, length=9)
+    plain = _plain(model, ids)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, compile=True)
+    with pytest.warns(UserWarning, match="compile=True, but no C\\+\\+ compiler .* decoding runs eager"):
+        out = _plain(model, ids)
+    assert torch.equal(out, plain) and compiled.warmup_seconds(model) == 0
+
+
+@pytest.mark.parametrize("t,tb", [(1, 1), (3, 4), (5, 8), (17, 32), (33, None)])
+def test_a_pass_runs_at_its_bucket(t, tb):
+    assert compiled.bucket(t) == tb
+
+
+def test_padding_rows_see_their_own_slot_and_no_row_sees_past_the_real_ones():
+    real = torch.ones(1, 1, 3, 7, dtype=torch.bool).tril(4)  # 3 queries entering slots 4..6
+    mask = compiled._padded_mask(real, q_start=4, t=3, tb=4, length=8, dtype=torch.float32, impl="sdpa")
+    assert mask.shape == (1, 1, 4, 8)
+    assert torch.equal(mask[:, :, :3, :7], real) and not mask[:, :, :3, 7:].any()
+    assert mask[0, 0, 3].nonzero().flatten().tolist() == [7]
