@@ -5,7 +5,9 @@
 Every pass the engine makes once the prompt is in (a drafted token through layers [0, E), a verify pass through
 [E, L), a tree, the LM head over a verify pass) runs a compiled function of a few fixed shapes:
 
-- the T query tokens are padded up to a bucket (BUCKETS); a padding row attends its own slot only, and writes its KV
+- the T query tokens are padded up to a bucket: powers of two (BUCKETS), and the sizes of a call's full verify
+  passes (K + 1, a copying chain's and a tree's), which are the most frequent and would otherwise run up to
+  half again as many rows as they need; a padding row attends its own slot only, and writes its KV
   to a slot past the live ones, where nothing reads it before a real token overwrites it;
 - the KV cache is the preallocated, zeroed buffer of each layer (cache.SpecLayer), written at slot indices given as a
   tensor (index_copy_) and read up to the pass's last slot. On a CPU that length is the one dimension marked dynamic,
@@ -35,9 +37,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32)  # query tokens per compiled pass, padded up to t
 MAX_GRAPHS = 64  # compiled graphs per function (layer ranges x buckets x batch sizes x head shapes)
 
 
-def bucket(tokens: int) -> int | None:
+def bucket(tokens: int, buckets=BUCKETS) -> int | None:
     """The compiled pass size a pass of `tokens` tokens runs at, or None (eager) past the largest."""
-    return next((b for b in BUCKETS if b >= tokens), None)
+    return next((b for b in buckets if b >= tokens), None)
 
 
 def compiler_missing(device: torch.device) -> str | None:
@@ -125,6 +127,11 @@ class CompiledStep:
         self._seen: set = set()  # shapes compiled so far: a new one is timed as warm-up
         self._announced = False
         self.recompiles = 0  # passes of a shape compiled before that compiled again (none expected)
+        self.buckets = BUCKETS
+
+    def fit(self, *sizes: int) -> None:
+        """Add exact buckets for the pass sizes a call makes most (its full verify passes)."""
+        self.buckets = tuple(sorted(set(self.buckets) | {n for n in sizes if 1 <= n <= BUCKETS[-1]}))
 
     def capacity(self, needed: int) -> int:
         """KV slots to allocate for a call whose longest sequence needs `needed`: room for a padded pass past it,
@@ -157,7 +164,7 @@ class CompiledStep:
             return fn(*args)
 
     def can_run(self, cache, start: int, stop: int, tokens: int) -> bool:
-        tb = bucket(tokens)
+        tb = bucket(tokens, self.buckets)
         if tb is None or start >= stop:
             return False
         q_start = cache.layer_length(start)
@@ -170,7 +177,7 @@ class CompiledStep:
 
         adapter, cache, table = ctx.adapter, ctx.cache, ctx.slots
         b, t, _ = hidden.shape
-        tb = bucket(t)
+        tb = bucket(t, self.buckets)
         q_start = cache.layer_length(start)
         if start == 0:
             table.write(q_start, positions if slot_positions is None else slot_positions)
@@ -209,7 +216,7 @@ class CompiledStep:
     def logits(self, adapter, normed: torch.Tensor) -> torch.Tensor | None:
         """The LM head over (B, T, H) states through the compiled head, or None where it does not run compiled."""
         b, t, _ = normed.shape
-        tb = bucket(t)
+        tb = bucket(t, self.buckets)
         if tb is None or torch.is_grad_enabled():
             return None
         if tb > t:

@@ -5,7 +5,7 @@
 
 Packing is an opt-in (`pack_weights=True`, `--pack-weights`): it reaches oneDNN through private torch ops and
 compiles a C++ kernel at run time. The compiled step (compiled.py, `compile=True`) prepacks the weights the
-maintained way, through Inductor's freezing; docs/benchmarks.md has the two side by side.
+maintained way, through Inductor's freezing, within a few percent of this module's speed (docs/benchmarks.md).
 
 A bfloat16 `nn.Linear` on CPU runs oneDNN's matmul, which reorders the whole weight into its blocked layout on
 every call: at one token per call that reorder is about a third of the call. Measured on one core of an Intel

@@ -171,8 +171,12 @@ class SelfSpecEngine:
         finally:
             self._call_tokenizers = (None, None)
         settings = engine.call_settings(drafter, settings)
+        compiled = self.compiled_step(input_ids.device)
+        if compiled is not None:  # the full verify passes of this call's chains and trees run at their own size
+            compiled.fit(settings.max_draft_tokens + 1, settings.copy_draft_tokens + 1,
+                         settings.tree_size + 1 if settings.tree_top_k > 1 else 0)
         ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
-                          SlotTable(input_ids.shape[0], input_ids.device), self.compiled_step(input_ids.device))
+                          SlotTable(input_ids.shape[0], input_ids.device), compiled)
         sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)
         self.last_stats = stats  # the state (and its KV cache) goes back to the caller only, never kept here
         return sequences, state

@@ -72,9 +72,12 @@ def test_without_a_compiler_it_says_so_once_and_runs_eager(monkeypatch):
     assert torch.equal(out, plain) and compiled.warmup_seconds(model) == 0
 
 
-@pytest.mark.parametrize("t,tb", [(1, 1), (3, 4), (5, 8), (17, 32), (33, None)])
-def test_a_pass_runs_at_its_bucket(t, tb):
+@pytest.mark.parametrize("t,tb,fitted", [(1, 1, 1), (3, 4, 4), (5, 8, 5), (9, 16, 9), (17, 32, 32), (33, None, None)])
+def test_a_pass_runs_at_its_bucket(t, tb, fitted):
     assert compiled.bucket(t) == tb
+    step = compiled.CompiledStep(torch.device("cpu"))
+    step.fit(5, 9, 0, 40)  # a call's full verify passes: K + 1 = 5, a copying chain's 9
+    assert compiled.bucket(t, step.buckets) == fitted
 
 
 def test_padding_rows_see_their_own_slot_and_no_row_sees_past_the_real_ones():
