@@ -24,7 +24,9 @@ def _graphs() -> int:
 @pytest.mark.parametrize("family", ["llama", pytest.param("mistral", marks=pytest.mark.slow),
                                     pytest.param("gpt2", marks=pytest.mark.slow),
                                     pytest.param("gpt_neox", marks=pytest.mark.slow)])
-def test_compiled_greedy_is_hugging_faces_in_float32(family):
+def test_compiled_greedy_is_hugging_faces_in_float32(family, monkeypatch):
+    # no exact buckets: every verify pass of K + 1 = 5 tokens runs padded to 8 rows
+    monkeypatch.setattr(compiled.CompiledStep, "fit", lambda self, *sizes: None)
     model = make_model(family, dtype=torch.float32)
     ids, (batch, mask) = prompt(seed=11, length=12), padded_batch(seed=12)
     plain_one, plain_batch = _plain(model, ids), _plain(model, batch, mask)

@@ -180,9 +180,7 @@ class HFMethod(Method):
         return self.chunk(h) if self.chunk else super().verify_chunk(h)
 
     def run(self, h, batch, reference, max_new):
-        from ..packing import computing_with
-
-        from ..packing import unpacked
+        from ..packing import computing_with, unpacked
 
         counter = CandidateCounter()
         with unpacked(h.model) if self.compile else contextlib.nullcontext(), counter.attached(h.model), \
