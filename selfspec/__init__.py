@@ -29,15 +29,12 @@ _LAZY = {
     "unwrap": "wrap",
     "from_pretrained": "pretrained",
     "load": "pretrained",
-    "pack_weights": "packing",
-    "unpack_weights": "packing",
 }
 __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     from .config import SelfSpecConfig
     from .decoding import GenerationStats
-    from .packing import pack_weights, unpack_weights
     from .pretrained import from_pretrained, load
     from .wrap import SelfSpecEngine, unwrap, wrap
 

@@ -16,9 +16,10 @@ Every pass the engine makes once the prompt is in (a drafted token through layer
 - positions, masks and slot indices are tensors.
 
 So each (layer range, bucket, batch) compiles once, and nothing recompiles after the warm-up (tests/test_compiled.py
-counts). On a CPU, Inductor's freezing prepacks the weights for oneDNN (what selfspec's own packing did by hand); on
-CUDA, mode="reduce-overhead" captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager
-step of a small model. The prompt, whose length changes from call to call, and a head's own layers run eager.
+counts). On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
+layout once, instead of the reorder an eager bfloat16 Linear makes at every call; on CUDA, mode="reduce-overhead"
+captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a small model. The
+prompt, whose length changes from call to call, and a head's own layers run eager.
 
 The compiled graphs hold the weights as they were when compiled (freezing folds them in as constants): a model
 whose weights change afterwards gets `model.selfspec.reset_compiled()`.

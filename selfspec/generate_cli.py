@@ -69,9 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU/GPU computes it in hardware, else float32 (default: auto)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's, one per core); see 'threads' below")
-    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="prepack the bfloat16 Linear weights once (selfspec.pack_weights; CPU): same tokens, faster "
-                        "steps; --compare's plain generate runs packed too (default: dense weights)")
     p.add_argument("--compile", action="store_true", help="run the engine's passes through torch.compile (selfspec/compiled.py): minutes of warm-up, then faster steps")
     p.add_argument("--compare", action="store_true",
                    help="after the streamed answer, time plain generate of the same model and dtype against "
@@ -121,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from .models import dtype_name
-    from .packing import is_packed
     from .pretrained import load
 
     hf_logging.disable_progress_bar()  # a weight-loading bar on stderr would split the answer from its stats
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("drafter", args.drafter)) if v is not None}
     if args.compile:
         overrides["compile"] = True
-    model, tok = load(args.model, heads=args.heads, dtype=args.dtype, pack_weights=args.pack_weights, **overrides)
+    model, tok = load(args.model, heads=args.heads, dtype=args.dtype, **overrides)
     ids = prompt_ids(tok, args.prompt, args.chat).to(model.device)
     mask = torch.ones_like(ids)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
@@ -145,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     speculative = (f"mean accepted tokens {st.mean_accepted_tokens:.2f} | acceptance rate {st.acceptance_rate:.1%}"
                    if st is not None else "ran the plain generate (see the warning above)")
     print(f"[selfspec] {new_tokens} tokens in {seconds:.2f}s = {new_tokens / seconds:.1f} tok/s | {speculative} | "
-          f"drafter {cfg.drafter}, exit layer {cfg.exit_layer}, K={cfg.max_draft_tokens}, {dtype_name(model.dtype)}"
-          f"{', packed weights' if is_packed(model) else ''}",
+          f"drafter {cfg.drafter}, exit layer {cfg.exit_layer}, K={cfg.max_draft_tokens}, {dtype_name(model.dtype)}",
           file=sys.stderr)
     if args.compare:
         print(compare_line(model, ids, mask, gen, args.rounds, args.seed), file=sys.stderr)

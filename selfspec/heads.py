@@ -156,7 +156,7 @@ class MLPHead(ExitHead):
     def copy_score(self, own: torch.Tensor, normed: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
         """The copy candidate's draft logit (...,): its own LM-head logit `own` (...,) plus the trust in a `match`
         (...,)-token suffix match, moved by the head's normed state (..., H) there."""
-        weight = self.copy_gate.weight[0]  # (H,): a matrix-vector product, never a packed one-row linear call
+        weight = self.copy_gate.weight[0]  # (H,): a matrix-vector product
         gate = torch.matmul(normed.to(weight.dtype), weight)
         return own.float() + self.copy_bias[match.clamp(0, self.copy_max)].float() + gate.float()
 
@@ -448,8 +448,8 @@ def lm_logits(adapter: ArchAdapter, normed: torch.Tensor, vocab_ids: torch.Tenso
 def token_logits(adapter: ArchAdapter, normed: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """The LM head's float logit of one token per state: (..., H) final-normed states, (...) token ids -> (...).
     A plain weight gives each its row's dot product (a copy head scores one candidate per drafted token, and a
-    call through the LM head with a fresh row set would pack that row first); other weights (sharded, quantized,
-    offloaded) go through lm_logits with the tokens as rows, each state reading its own column."""
+    call through the LM head with a fresh row set would gather and cache those rows first); other weights (sharded,
+    quantized, offloaded) go through lm_logits with the tokens as rows, each state reading its own column."""
     weight = getattr(adapter.lm_head, "weight", None)
     plain = (isinstance(weight, torch.Tensor) and not is_dtensor(weight) and weight.is_floating_point()
              and weight.device.type != "meta" and getattr(adapter.lm_head, "bias", None) is None)

@@ -8,7 +8,6 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from . import packing
 from .config import CONFIG_NAME, read_config_json
 from .models import DEFAULT_MODEL, resolve_model
 from .wrap import wrap
@@ -20,17 +19,14 @@ def shipped_dir(name: str) -> Path | None:
     return path if (path / CONFIG_NAME).is_file() else None
 
 
-def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
-         pack_weights: bool | None = None, **overrides):
+def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None, **overrides):
     """(wrapped model, tokenizer).
 
     name_or_dir: "smollm2-135m" (the embedded default, with the heads and config shipped for it), a directory
     written by `model.selfspec.save_pretrained` whose config records `base_model_path`, or any local HF model
     directory / hub id (wrapped with the default config). `heads` overrides where heads and config come from;
-    keyword overrides replace config fields (exit_layer=8, drafter="hybrid", ...). pack_weights: prepack the
-    bfloat16 Linear weights on CPU (selfspec.pack_weights, an opt-in: the same tokens, faster eager steps, one more
-    copy of those weights in memory); None or False leaves them dense. `compile=True` (an override) runs the
-    compiled step instead (compiled.py).
+    keyword overrides replace config fields (exit_layer=8, drafter="hybrid", ...). `compile=True` (an override)
+    runs every pass after the prompt through the compiled step (compiled.py).
     """
     selfspec_dir = heads
     base = name_or_dir
@@ -46,17 +42,16 @@ def load(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto
     if selfspec_dir is None:
         shipped = shipped_dir(str(base))
         selfspec_dir = str(shipped) if shipped is not None else None
-    packing.apply_choice(model, pack_weights)
     return wrap(model, selfspec_dir, **overrides), tokenizer
 
 
 def from_pretrained(name_or_dir: str = DEFAULT_MODEL, heads: str | None = None, dtype="auto", device=None,
-                    pack_weights: bool | None = None, **overrides):
+                    **overrides):
     """The wrapped model (arguments as for `load`); `selfspec.load` returns its tokenizer too."""
     if _result_is_unpacked(sys._getframe(1)):
         raise TypeError("selfspec.from_pretrained returns the model only, like every from_pretrained; for the model "
                         "and its tokenizer call `model, tokenizer = selfspec.load(name)`.")
-    return load(name_or_dir, heads=heads, dtype=dtype, device=device, pack_weights=pack_weights, **overrides)[0]
+    return load(name_or_dir, heads=heads, dtype=dtype, device=device, **overrides)[0]
 
 
 def _result_is_unpacked(frame) -> bool:

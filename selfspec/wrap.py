@@ -22,7 +22,6 @@ from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
 from .io import load_heads, placement, save_engine
 from .models import dtype_name
-from .packing import is_packed, pack_linears, packs_small
 
 
 class SelfSpecEngine:
@@ -71,8 +70,6 @@ class SelfSpecEngine:
         # heads compute in the LM head's dtype (a bf16 checkpoint runs in fp32 on an fp32 model)
         dtype = self.adapter.lm_head.weight.dtype
         head = head.to(device=device, dtype=dtype) if dtype.is_floating_point else head.to(device)
-        if is_packed(self.model):  # selfspec.pack_weights ran: the head's Linears run packed like the model's
-            pack_linears(head, packs_small(self.model))
         self.heads[head.exit_layer] = head.eval()
 
     def build_drafter(self) -> Drafter:

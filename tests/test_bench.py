@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import selfspec
-from conftest import TEST_DEVICE, make_model, padded_batch, prompt
+from conftest import make_model, padded_batch, prompt
 from selfspec.drafters.oracle import OracleDrafter
 from selfspec.tools import bench, measure
 
@@ -343,24 +343,3 @@ def test_cli_end_to_end_on_a_saved_model(tmp_path, capsys):
     assert code == 0 and not greedy["meta"]["settings"]["sample"] and sampled["meta"]["settings"]["sample"]
     assert sampled["meta"]["settings"]["temperature"] == 0.7 and all(r["exact"] is None for r in sampled["records"])
     assert bench.main(["--sample", "--greedy-and-sampled"]) == 2
-
-
-def test_packed_weights_and_the_dense_baseline():
-    """--pack-weights: every method runs on the packed bf16 model; hf-greedy-dense runs plain generate from the
-    dense weights and hf-greedy-onednn without the small-row kernel (the same bits); both are left out of the
-    default methods."""
-    from selfspec.packing import packing_available, unpack_weights
-
-    if TEST_DEVICE != "cpu" or not packing_available():
-        pytest.skip("packing is oneDNN's, for bfloat16 on CPU")
-    assert not {"hf-greedy-dense", "hf-greedy-onednn"} & set(bench.default_methods())
-    tiny = make_model("llama", 4, dtype=torch.bfloat16)
-    import selfspec
-
-    selfspec.pack_weights(tiny)
-    res = _run(tiny, methods=("hf-greedy", "hf-greedy-dense", "hf-greedy-onednn", "selfspec-ngram"),
-               pack_weights=True)
-    for baseline in ("hf-greedy-dense", "hf-greedy-onednn"):
-        records = [r for r in res.records if r.method == baseline]
-        assert len(records) == 4 and all(r.exact for r in records)
-    assert unpack_weights(tiny) == 29

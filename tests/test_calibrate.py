@@ -360,6 +360,26 @@ def test_resume_adds_trials_to_the_same_study(tmp_path):
         calibrate(other, _prompts(2), spec, storage=storage, study_name="s", trials=1, **QUIET)
 
 
+def test_a_stored_identity_with_a_removed_speed_layer_is_read(tmp_path):
+    """Identities stored by earlier versions may record prepacked weights (`packed`) and a small-row kernel
+    (`small_gemm`): a study timed with either on was another setup's and is refused in one line, one timed
+    without them resumes."""
+    from selfspec.tools.calibrate.study import open_study
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    now = {"model_name": "tiny", "device": "cpu", "dtype": "torch.bfloat16", "folded_gqa": True, "heads": [1],
+           "decoding": "greedy"}
+    for name, old in (("packed", {"packed": True, "small_gemm": False}), ("kernel", {"packed": True,
+                                                                                     "small_gemm": "3-dot"}),
+                      ("dense", {"packed": False, "small_gemm": False})):
+        optuna.create_study(study_name=name, storage=storage).set_user_attr("identity", {**now, **old})
+    with pytest.raises(ValueError, match=r"another setup \(stored vs now: \{'packed': \(True, False\)\}"):
+        open_study(storage, "packed", now, seed=0, startup=1)
+    with pytest.raises(ValueError, match="another setup"):
+        open_study(storage, "kernel", now, seed=0, startup=1)
+    assert open_study(storage, "dense", now, seed=0, startup=1).user_attrs["identity"]["packed"] is False
+
+
 def test_written_config_loads_and_generates_like_plain(tmp_path):
     model = make_model("llama", 4)
     result = calibrate(model, _prompts(2), _spec(), output=str(tmp_path), trials=2, **QUIET)

@@ -320,24 +320,15 @@ def test_generate_answers_in_chat_and_compares(smollm2):
 
 
 @pytest.mark.slow
-def test_generate_with_packed_weights_compares_identical(smollm2):
-    from selfspec.packing import packing_available
-
-    if not packing_available():
-        pytest.skip("packing is oneDNN's, for bfloat16 on CPU")
-    out = run("generate", "--threads", "1", "--dtype", "bfloat16", "--pack-weights", "--max-new-tokens", "8",
-              "--compare", "--rounds", "1", "Name a prime number.")
+def test_generate_in_bfloat16_compares_identical_or_at_a_near_tie(smollm2):
+    out = run("generate", "--threads", "1", "--dtype", "bfloat16", "--max-new-tokens", "8", "--compare", "--rounds",
+              "1", "Name a prime number.")
     assert out.returncode == 0, out.stderr[-2000:]
     # bf16 greedy output may part from plain generate where rounding between pass shapes flips a near-tie (on an
     # AMX Xeon this prompt does); the CLI judges it, and anything but identical or a near-tie is a bug
-    assert "bfloat16, packed weights" in out.stderr
+    assert "bfloat16" in out.stderr
     assert re.search(r"greedy outputs (identical|part at new token \d+, a near-tie of this dtype)", out.stderr), \
         out.stderr[-800:]
-    dense = run("generate", "--threads", "1", "--dtype", "bfloat16", "--no-pack-weights", "--max-new-tokens", "2",
-                "Hi")
-    assert dense.returncode == 0 and "bfloat16" in dense.stderr and "packed" not in dense.stderr
-    refused = run("generate", "--dtype", "float32", "--pack-weights", "--max-new-tokens", "2", "Hi")
-    assert refused.returncode == 2 and "pack_weights found nothing to pack" in refused.stderr
 
 
 @pytest.mark.slow

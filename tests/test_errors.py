@@ -98,20 +98,3 @@ def test_train_copy_refuses_heads_that_are_not_mlp():
         copy_head_from(head, 3)
     with pytest.raises(SystemExit, match="--copy-max 0: must be in"):
         parse_args(["--copy-max", "0"])
-
-
-def test_packing_is_an_opt_in_and_refused_in_one_line_where_onednn_refuses_the_cpu():
-    """The default of load, bench and calibrate leaves the weights dense (packing reaches private torch ops).
-    oneDNN packs bfloat16 weights only with AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 3) an
-    explicit pack_weights must say why in one line."""
-    from selfspec.packing import apply_choice, is_packed, packing_unavailable_reason
-
-    model = make_model("llama", dtype=torch.bfloat16)
-    reason = packing_unavailable_reason()
-    apply_choice(model, None)
-    assert not is_packed(model)
-    if reason is None:
-        pytest.skip("oneDNN packs bfloat16 on this CPU; the refusal shows on an AVX2-only one")
-    with pytest.raises(ValueError, match="pack_weights cannot run here: oneDNN cannot pack bfloat16 .*avx512.*"
-                                         "pack_weights=False"):
-        selfspec.pack_weights(model)

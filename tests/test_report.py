@@ -50,6 +50,15 @@ def test_update_rewrites_a_stale_page_and_reports_through_the_cli(tmp_path):
     assert "--output res`" in full.stdout  # the command that remakes these results, into the folder they are in
 
 
+def test_a_record_with_prepacked_weights_says_so_and_its_command_still_runs():
+    """Records measured with prepacked weights (a speed layer selfspec no longer has) say so, and the command each
+    shows leaves out the flag the bench no longer takes."""
+    text = report.section("docs/results/cpu-avx512-bf16-speed", ROOT)
+    assert "- weights: prepacked by hand" in text and "--pack-weights" not in text
+    assert "--dtype bfloat16 --methods hf-greedy selfspec selfspec-compiled" in text
+    assert "- weights:" not in report.section("docs/results/cpu-avx2", ROOT)  # dense float32: nothing to say
+
+
 def test_bad_report_input_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "selfspec.cli", "bench", "--report", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)

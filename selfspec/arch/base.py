@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..attention import ENGINE_ATTENTION, ENGINE_CALL
-from ..packing import is_packed_module, pack_matrix, packed_linear
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -156,10 +155,7 @@ def _head_rows(head: nn.Module, normed: torch.Tensor, vocab_ids: torch.Tensor) -
         offloaded = getattr(getattr(head, "_hf_hook", None), "offload", False)  # its weight is loaded per call
         if offloaded:
             return nn.functional.linear(normed.to(weight.device), weight[rows], bias)
-        sub, packed = _gathered_rows(weight, vocab_ids, rows, pack=bias is None and is_packed_module(head))
-        if packed is not None:  # the LM head is packed (selfspec.pack_weights): its rows are too
-            return packed_linear(normed.to(weight.device), sub, packed)
-        return nn.functional.linear(normed.to(weight.device), sub, bias)
+        return nn.functional.linear(normed.to(weight.device), _gathered_rows(weight, vocab_ids, rows), bias)
 
 
 @dataclass
@@ -170,8 +166,6 @@ class _Rows:
     weight: torch.Tensor  # the LM-head weight the rows came from...
     version: int  # ...at this version of it
     sub: torch.Tensor  # weight[rows]
-    packed: torch.Tensor | None = None  # their packed copy (packing.pack_matrix) once tried, None if refused
-    pack_tried: bool = False
 
     def fresh(self, vocab_ids: torch.Tensor, weight: torch.Tensor) -> bool:
         return self.ids() is vocab_ids and self.weight is weight and self.version == weight._version
@@ -182,26 +176,21 @@ class _Rows:
 _ROWS: dict[int, _Rows] = {}
 
 
-def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Tensor,
-                   pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight[rows], their packed copy for packing.packed_linear or None), reused between calls: a draft step then
-    reads V_draft x H once instead of gathering the rows again (a copy as large as the matmul) for every drafted
-    token. Recomputed when the weight is another tensor or was changed in place (its version counter moved).
-    With `pack`, rows asked for a second time are packed: a head's draft vocabulary is, while the one-off ids of
-    a copy candidate's rescoring are not worth a reorder."""
+def _gathered_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """weight[rows], reused between calls: a draft step then reads V_draft x H once instead of gathering the rows
+    again (a copy as large as the matmul) for every drafted token. Recomputed when the weight is another tensor or
+    was changed in place (its version counter moved)."""
     if (weight.requires_grad and torch.is_grad_enabled()) or weight.device.type == "meta":  # gradients wanted
-        return weight[rows], None
+        return weight[rows]
     key = id(vocab_ids)
     hit = _ROWS.get(key)
     if hit is not None and hit.fresh(vocab_ids, weight):
-        if pack and not hit.pack_tried:
-            hit.packed, hit.pack_tried = pack_matrix(hit.sub), True
-        return hit.sub, (hit.packed if pack else None)
+        return hit.sub
     sub = weight[rows]
     if hit is None or hit.ids() is not vocab_ids:
         weakref.finalize(vocab_ids, _ROWS.pop, key, None)
     _ROWS[key] = _Rows(weakref.ref(vocab_ids), weight, weight._version, sub)
-    return sub, None
+    return sub
 
 
 def _weights_loaded(module: nn.Module):

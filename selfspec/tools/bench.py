@@ -66,8 +66,6 @@ class BenchConfig:
     warmup_tokens: int = 16
     tune_tokens: int = 32
     dtype: str = "auto"  # auto: the checkpoint's own; the embedded model: bf16 where the CPU/GPU computes it
-    # selfspec.pack_weights before every method (an opt-in; None: dense weights)
-    pack_weights: bool | None = None
     device: str = "cpu"
     threads: int | None = None
     compile: bool = False  # every selfspec method runs compiled (as its -compiled variant)
@@ -153,9 +151,6 @@ class Method:
     description = ""
     compile = False  # runs compiled: minutes of warm-up, so only when asked for by name
     hf_assisted = False  # Hugging Face's assisted generation supports batch size 1 only
-    # "packed": the model's weights as they are; "dense" or "onednn": a baseline computing from the dense weights, or
-    # from the packed ones without the small-row kernel, where the model's are packed (selfspec.pack_weights)
-    weights = "packed"
 
     def run(self, h: "Harness", batch: Batch, reference: list[list[int]] | None, max_new: int) -> Outcome:
         raise NotImplementedError
@@ -170,21 +165,17 @@ class HFMethod(Method):
     """The unwrapped model's own `generate`, with extra kwargs (assisted generation) from the harness."""
 
     def __init__(self, description: str, extra: Callable[["Harness"], dict] | None = None,
-                 chunk: Callable[["Harness"], int] | None = None, weights: str = "packed", assisted: bool = True,
-                 compile: bool = False):
+                 chunk: Callable[["Harness"], int] | None = None, assisted: bool = True, compile: bool = False):
         self.description, self.extra, self.chunk = description, extra, chunk
-        self.hf_assisted, self.weights = extra is not None and assisted, weights
-        self.compile = compile  # runs on the model unpacked: the compiler traces the modules themselves
+        self.hf_assisted = extra is not None and assisted
+        self.compile = compile
 
     def verify_chunk(self, h):
         return self.chunk(h) if self.chunk else super().verify_chunk(h)
 
     def run(self, h, batch, reference, max_new):
-        from ..packing import computing_with, unpacked
-
         counter = CandidateCounter()
-        with unpacked(h.model) if self.compile else contextlib.nullcontext(), counter.attached(h.model), \
-                computing_with(self.weights):
+        with counter.attached(h.model):
             rows, seconds = h.timed_generate(batch, max_new, **(self.extra(h) if self.extra else {}))
         new = sum(len(r) for r in rows)
         if not self.hf_assisted:
@@ -198,16 +189,16 @@ class EngineMethod(Method):
     """The model wrapped by selfspec with a drafter; `trained` adds the heads/config of --heads (or shipped)."""
 
     def __init__(self, description: str, drafter: str, trained: bool = False, oracle: bool = False,
-                 tree: bool = False, weights: str = "packed", compile: bool = False):
+                 tree: bool = False, compile: bool = False):
         self.description, self.drafter, self.trained, self.oracle = description, drafter, trained, oracle
         self.tree = tree  # draft trees (the calibrated tree shape, else DEFAULT_TREE)
-        # compile: the engine's compiled step (compiled.py), run on the model unpacked (Inductor prepacks the weights
-        # itself), its compile time left out of the time measured (the warm-up a server pays once)
-        self.weights, self.compile = weights, compile
+        # compile: the engine's compiled step (compiled.py), its compile time left out of the time measured (the
+        # warm-up a server pays once)
+        self.compile = compile
 
     def variant(self, description: str, **changes) -> "EngineMethod":
         fields = dict(description=description, drafter=self.drafter, trained=self.trained, oracle=self.oracle,
-                      tree=self.tree, weights=self.weights, compile=self.compile)
+                      tree=self.tree, compile=self.compile)
         return EngineMethod(**{**fields, **changes})
 
     def verify_chunk(self, h):
@@ -219,20 +210,13 @@ class EngineMethod(Method):
         return self.run_once(h, batch, max_new)
 
     def run_once(self, h, batch, max_new, oracle_rows=None) -> Outcome:
-        from ..packing import unpack_weights, unpacked
-
         config = h.engine_config(self.drafter, self.trained, self.tree)
         compiled = self.compile or h.cfg.compile
-        if compiled:  # heads too: a packed method packs them as it adds them (SelfSpecEngine.add_head)
-            for head in h.heads.values():
-                unpack_weights(head)
-        with unpacked(h.model) if compiled else contextlib.nullcontext():
-            return self._run_wrapped(h, batch, max_new, config.replace(compile=compiled), oracle_rows)
+        return self._run_wrapped(h, batch, max_new, config.replace(compile=compiled), oracle_rows)
 
     def _run_wrapped(self, h, batch, max_new, config, oracle_rows) -> Outcome:
         import selfspec
         from ..drafters.oracle import OracleDrafter
-        from ..packing import computing_with
 
         selfspec.wrap(h.model, config)
         try:
@@ -241,8 +225,7 @@ class EngineMethod(Method):
                 engine.add_head(head)
             if oracle_rows is not None:
                 engine.drafter_override = OracleDrafter.from_rows(oracle_rows)
-            with computing_with(self.weights):
-                rows, seconds = h.timed_generate(batch, max_new)
+            rows, seconds = h.timed_generate(batch, max_new)
             stats = engine.last_stats
         finally:
             selfspec.unwrap(h.model)
@@ -278,11 +261,6 @@ def _static_compiled(h) -> dict:
 # name -> method. Adding a drafter to the benchmark is one line here.
 METHODS: dict[str, Method] = {
     "hf-greedy": HFMethod("plain model.generate (the 1.00x baseline)"),
-    "hf-greedy-dense": HFMethod("plain model.generate from the dense weights (where the weights are packed, the "
-                                "default for bf16 on CPU: what packing gains; else the same as hf-greedy)",
-                                weights="dense"),
-    "hf-greedy-onednn": HFMethod("plain model.generate from the packed weights without the small-row kernel (where "
-                                 "it runs: what the kernel gains; else the same as hf-greedy)", weights="onednn"),
     "hf-greedy-compiled": HFMethod("plain model.generate with Hugging Face's static cache and torch.compile "
                                    "(its compile_config), the stronger baseline", _static_compiled, assisted=False,
                                    compile=True),
@@ -303,11 +281,8 @@ METHODS: dict[str, Method] = {
     "selfspec-hybrid-tree": EngineMethod("selfspec hybrid drafting trees: n-gram branches and the head's tree",
                                          "hybrid", trained=True, tree=True),
 }
-# The same drafters eager from the dense weights (where the weights are packed: what packing gains them) and
-# compiled (compiled.py): the speed layers side by side
+# The same drafters through the compiled step (compiled.py), to run beside their eager selves
 for _name in ("selfspec", "selfspec-ngram", "selfspec-hybrid", "selfspec-tree"):
-    METHODS[f"{_name}-dense"] = METHODS[_name].variant(METHODS[_name].description + ", eager from the dense weights",
-                                                       weights="dense")
     METHODS[f"{_name}-compiled"] = METHODS[_name].variant(METHODS[_name].description + ", compiled step",
                                                           compile=True)
 # The tree shape of a tree method when the calibration recorded none for its drafter (per_drafter["<drafter>-tree"]).
@@ -325,7 +300,6 @@ def drafter_available(method: Method) -> bool:
 def default_methods(registry: dict[str, Method] = METHODS) -> tuple:
     """The core methods plus every other registered method whose drafter exists in this checkout."""
     extra = [n for n in registry if n not in CORE_METHODS and drafter_available(registry[n])
-             and registry[n].weights == "packed"  # the other baselines only matter where the weights are packed
              and not registry[n].compile]  # compiling takes minutes: asked for by name
     return CORE_METHODS + tuple(extra)
 
@@ -749,7 +723,6 @@ def render_markdown(result: BenchResult, meta: dict) -> str:
         f"- {_sampling_words(settings) if settings['sample'] else 'greedy'}, "
         f"max_new_tokens={settings['max_new_tokens']}, batch size {settings['batch_size']}, "
         f"{meta['model']['dtype']}, chat template {'on' if settings['chat_template'] else 'off'}"
-        f"{', weights packed (selfspec.pack_weights)' if meta['model'].get('packed') else ''}"
         f"{_FOLDED_WORDS if meta['model'].get('folded_gqa') else ''}",
         f"- selfspec: exit layer {setup['selfspec_config']['exit_layer']} of {setup['num_layers']}, "
         f"max_draft_tokens={setup['selfspec_config']['max_draft_tokens']}, heads: {setup['heads_source']}",
@@ -872,9 +845,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model precision; auto = the checkpoint's dtype, for the embedded model bfloat16 where the "
                         "CPU/GPU computes it in hardware, else float32")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="prepack the bf16 Linear weights for every method (selfspec.pack_weights, CPU; default: "
-                        "dense weights); add the method hf-greedy-dense to measure what packing gains%(default).0s")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's)%(default).0s")
     p.add_argument("--compile", action="store_true",
@@ -919,9 +889,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf_exit_layers=hf_exits, prompt_lookup_tokens=args.prompt_lookup_tokens, sample=args.sample,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_tokens=args.warmup_tokens,
         tune_tokens=args.tune_tokens, dtype=args.dtype, device=args.device, threads=args.threads,
-        compile=args.compile,
-        pack_weights=args.pack_weights, chat_template=not args.no_chat_template, output=args.output,
-        strict=args.strict)
+        compile=args.compile, chat_template=not args.no_chat_template, output=args.output, strict=args.strict)
 
 
 def _raise_interrupt(signum, frame):
@@ -957,10 +925,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         from ..models import resolve_model
-        from ..packing import apply_choice
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-        apply_choice(model, cfg.pack_weights)
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{cfg.model}'s tokenizer has no chat template; pass --no-chat-template.")
         workload = build_workload(tokenizer, cfg)

@@ -106,15 +106,13 @@ def model_identity(model, name: str | None = None) -> dict:
 
 def step_speedups(model) -> dict:
     """What makes this model's steps faster than transformers' own, so that timings with and without it are
-    another setup's: packed bf16 weights, more so with the small-row kernel (its revision: each is faster), and
-    attention with grouped heads folded into rows (attention.py). Study identities and bench metadata record it."""
+    another setup's: attention with grouped heads folded into rows (attention.py). Study identities and bench
+    metadata record it."""
     from ..arch import adapter_for
     from ..attention import folds
-    from ..packing import is_packed, small_kernel_revision
 
     param = next(model.parameters())
-    return {"packed": is_packed(model), "small_gemm": small_kernel_revision(model),
-            "folded_gqa": folds(adapter_for(model), param.device, param.dtype)}
+    return {"folded_gqa": folds(adapter_for(model), param.device, param.dtype)}
 
 
 def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:

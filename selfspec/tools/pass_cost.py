@@ -3,8 +3,6 @@ speculative decoding can pay on a device (a verify pass over K+1 tokens must cos
 
     OMP_NUM_THREADS=1 python -m selfspec.tools.pass_cost --threads 1
     python -m selfspec.tools.pass_cost --dtypes float32 bfloat16 --tokens 1 3 5 7 9 --cache 200 --repeats 12
-    python -m selfspec.tools.pass_cost --dtypes bfloat16 bfloat16-packed      # with selfspec.pack_weights
-    python -m selfspec.tools.pass_cost --dtypes bfloat16-onednn bfloat16-packed   # without, with the small-row kernel
 
 Plain transformers, no selfspec: the embedded SmolLM2 (or --model) with a DynamicCache holding `--cache` tokens;
 each timed pass appends T tokens and is cropped back, so every pass sees the same cache. Passes of every
@@ -24,8 +22,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="short name, local HF directory or hub id")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                   help="dtypes to compare; bfloat16-packed: bfloat16 after selfspec.pack_weights; "
-                        "bfloat16-onednn: the same without the small-row kernel")
+                   help="dtypes to compare")
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 3, 5, 7, 9], help="pass sizes T (1 is the unit)")
     p.add_argument("--cache", type=int, default=200, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=12, help="interleaved repeats per (dtype, T); median reported")
@@ -73,11 +70,7 @@ def measure(args) -> dict:
     device = torch.device(args.device)
     runs = {}
     for name in args.dtypes:
-        model, _ = resolve_model(args.model, dtype=name.removesuffix("-packed").removesuffix("-onednn"), device=device)
-        if name.endswith(("-packed", "-onednn")):
-            from selfspec.packing import pack_weights
-
-            pack_weights(model, small_gemm=name.endswith("-packed"))
+        model, _ = resolve_model(args.model, dtype=name, device=device)
         runs[name] = (model, prefilled_cache(model, args.cache, device))
         for t in args.tokens:  # warm-up: first calls allocate and pick kernels
             time_pass(model, runs[name][1], t, device)

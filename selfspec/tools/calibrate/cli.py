@@ -47,9 +47,6 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
     p.add_argument("--compile", action="store_true", help="trials run compiled (selfspec/compiled.py), and so does "
                    "the config written; the compile time of each new pass shape is left out of the timings")
-    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="prepack bf16 Linear weights on CPU (selfspec.pack_weights) for every trial and the plain "
-                        "baseline (default: dense weights)")
     return p.parse_args(argv)
 
 
@@ -75,12 +72,10 @@ def _load_spec(args) -> SearchSpec:
 
 def _load_model(args):
     from ...models import resolve_model
-    from ...packing import apply_choice
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # the plain baseline is this same model object unwrapped, so it always runs in the wrapped model's dtype
     model, tokenizer = resolve_model(args.model, dtype=args.dtype, device=device)
-    apply_choice(model, args.pack_weights)
     if args.heads:
         wrap(model, args.heads)  # config and heads saved by save_pretrained
     if args.compile:

@@ -34,8 +34,12 @@ def study_identity(model, name: str | None) -> dict:
 
 
 # what a study stored before its identity recorded a key was made with: every such study decoded greedily, and
-# none had the small-row bf16 kernel or folded attention
-_IMPLIED = {"decoding": "greedy", "small_gemm": False, "folded_gqa": False}
+# none had folded attention
+_IMPLIED = {"decoding": "greedy", "folded_gqa": False}
+# keys that identities stored by earlier versions may hold for speed layers selfspec no longer has (prepacked bf16
+# weights, a small-row matmul kernel), at the value every setup has now: a study timed with one of them on was
+# another setup's and is refused, one timed without them resumes
+_RETIRED = {"packed": False, "small_gemm": False}
 
 
 def environment(model) -> dict:
@@ -45,7 +49,8 @@ def environment(model) -> dict:
 def open_study(storage: str, study_name: str, identity: dict, seed: int, startup: int):
     """Create the study or resume it; a stored study made for another model, device or decoding is refused. A study
     stored before the identity recorded a key (the LM-head fingerprint came later) is compared on the keys it has,
-    and on what it implies for the others (_IMPLIED)."""
+    and on what it implies for the others (_IMPLIED); one that records a speed layer since removed, on what every
+    setup has now (_RETIRED)."""
     import optuna
 
     with warnings.catch_warnings():
@@ -55,7 +60,8 @@ def open_study(storage: str, study_name: str, identity: dict, seed: int, startup
                                 load_if_exists=True)
     stored = study.user_attrs.get("identity")
     known = {**_IMPLIED, **stored} if stored is not None else {}
-    diff = {k: (known[k], identity[k]) for k in identity if k in known and known[k] != identity[k]}
+    now = {**_RETIRED, **identity}
+    diff = {k: (known[k], now[k]) for k in now if k in known and known[k] != now[k]}
     if diff:
         raise ValueError(f"Study {study_name!r} in {storage} was made for another setup (stored vs now: {diff}); "
                          "pass another --study-name or --storage.")
@@ -462,16 +468,12 @@ def _check_budget(trials, timeout, prompts) -> None:
 def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
-    packed = "-packed" if identity.get("packed") else ""
-    # True (== 1) in the oldest identities, then the kernel's revision, from 3 on with its sums ("3-dot")
-    kernel = identity.get("small_gemm")
-    packed += ("-smallgemm" if kernel == 1 else f"-smallgemm{kernel}") if kernel else ""
-    packed += "-foldedgqa" if identity.get("folded_gqa") else ""
+    folded = "-foldedgqa" if identity.get("folded_gqa") else ""
     decoding = {**_IMPLIED, **identity}["decoding"]
     # one study per sampling setting: "-sampled-temperature0.7-top-p0.9"; greedy studies keep their old names
     slug = decoding.removeprefix("sample, ").replace(", ", "-").replace(" ", "")
     sampled = "" if decoding == "greedy" else f"-sampled-{slug}"
-    return f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}{packed}{sampled}"
+    return f"{name}-{heads}-{identity['device']}-{identity['dtype'].replace('torch.', '')}{folded}{sampled}"
 
 
 def _prepare_session(model, base, prompts, space, spec, log) -> Session:
