@@ -7,8 +7,8 @@
 # its limit writes the prompts every method finished).
 #
 # A call carries 64 MiB in all, and the SmolLM2 .gguf alone is 98 MB, so the .gguf, xz-compressed (90 MB),
-# travels in two parts:
-#   .dev1: part1 (the first 38.4 MB) and the wheels the machine lacks (transformers 5.24.0, gguf)
+# travels in two parts, which scripts/device_payload.sh builds:
+#   .dev1: part1 (the first 38.4 MB) and the wheels the machine lacks (transformers, gguf)
 #   .dev2: part2 (the rest) and gguf.sha256
 #   call 1 (carry .dev1): bash scripts/device_check.sh tests    # installs, keeps part1 in /tmp, runs the tests
 #   call 2 (carry .dev2): bash scripts/device_check.sh model    # at once, while the machine is warm
