@@ -1,7 +1,8 @@
-"""`selfspec` command line: generate | bench | prepare | calibrate | train-heads | train-copy. Each subcommand's
-module owns its flags through a `main(argv)` of its own; this file dispatches and turns a user's mistake (a bad
-value, a missing file or package, an unknown model) into one line on stderr with exit status 2 -- `--debug` shows
-the traceback instead.
+"""`selfspec` command line: generate | bench | prepare | calibrate | train-heads | train-copy | export-vllm.
+
+Each subcommand's module owns its flags through a `main(argv)` of its own; this file dispatches and turns a user's
+mistake (a bad value, a missing file or package, an unknown model) into one line on stderr with exit status 2 --
+`--debug` shows the traceback instead.
 
 Nothing heavy is imported here: `selfspec --help` and `selfspec generate --help` do not import torch."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ COMMANDS = {
     "calibrate": ("selfspec.tools.calibrate", "Optuna search for the fastest exit layer / draft length on this device"),
     "train-heads": ("selfspec.training.train_heads", "train early-exit heads by self-distillation"),
     "train-copy": ("selfspec.training.train_copy", "make a trained MLP head a copy head (fit its trust in lookups)"),
+    "export-vllm": ("selfspec.serving.export", "write a model's exit head as a vLLM draft model, print how to serve it"),
 }
 
 USAGE = "usage: selfspec [--debug] {" + ",".join(COMMANDS) + "} [--help] ...\n\n" + "\n".join(

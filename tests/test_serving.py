@@ -1,0 +1,164 @@
+"""selfspec's drafters for vLLM: the export (`selfspec export-vllm`), the draft head's arithmetic against selfspec's
+own head, the custom_class prompt lookup against a direct reading of its rule, and, where a vLLM environment is
+given (SELFSPEC_VLLM_PYTHON), vLLM itself serving with both drafters against vLLM without speculation."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import selfspec
+from conftest import make_model
+from selfspec.heads import MLPHead
+from selfspec.serving.export import write_draft
+from selfspec.serving.vllm_draft import ARCHITECTURE
+from selfspec.serving.vllm_draft import MLPHead as DraftMLPHead
+from selfspec.serving.vllm_ngram import propose_rows
+
+HIDDEN = 32
+
+
+def _wrapped(tmp_path, family="llama", exit_layer=2, context="top", vocab=(3, 5, 8, 13, 21, 34, 55, 89)):
+    model = make_model(family, layers=4, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "target")
+    selfspec.wrap(model, exit_layer=exit_layer, max_draft_tokens=3)
+    torch.manual_seed(3)
+    head = MLPHead(exit_layer, HIDDEN, 2 * HIDDEN, vocab_ids=torch.tensor(vocab), context=context)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model.selfspec.add_head(head)
+    return model, head
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_export_holds_the_first_layers_the_head_and_its_vocabulary_rows(tmp_path, family):
+    model, head = _wrapped(tmp_path, family)
+    result = write_draft(model, tmp_path / "draft", target=str(tmp_path / "target"))
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["num_hidden_layers"] == 2
+    assert config["selfspec_head"] == {"rank": 2 * HIDDEN, "draft_vocab_size": 8}
+    assert result.exit_layer == 2 and result.num_speculative_tokens == 3
+    assert result.speculative_config()["method"] == "eagle"
+    tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    state = model.state_dict()
+    layers = {name for name in tensors if name.startswith("model.layers.")}
+    assert layers == {name for name in state if name.startswith(("model.layers.0.", "model.layers.1."))}
+    for name in layers | {"model.norm.weight"}:
+        torch.testing.assert_close(tensors[name], state[name], rtol=0, atol=0)
+    assert "model.embed_tokens.weight" not in tensors  # vLLM shares the target's
+    torch.testing.assert_close(tensors["lm_rows"], model.lm_head.weight[head.vocab_ids], rtol=0, atol=0)
+    assert tensors["vocab_ids"].tolist() == head.vocab_ids.tolist()
+
+
+def test_draft_head_computes_what_selfspecs_head_does(tmp_path):
+    """The exported head in vllm_draft's torch ops, fed the same layer-E and previous final states, gives the
+    residual stream selfspec's MLPHead gives."""
+    model, head = _wrapped(tmp_path)
+    write_draft(model, tmp_path / "draft", target=str(tmp_path / "target"))
+    tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    draft = DraftMLPHead(HIDDEN, 2 * HIDDEN, torch.float32)
+    draft.load_state_dict({name.removeprefix("head."): t for name, t in tensors.items() if name.startswith("head.")})
+    hidden, prev_top = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN)
+    torch.testing.assert_close(draft(hidden, prev_top), head.transform(hidden, None, prev_top))
+
+
+def test_export_refuses_what_vllm_cannot_draft_with(tmp_path):
+    model, _ = _wrapped(tmp_path, context="early")
+    with pytest.raises(ValueError, match="context top"):
+        write_draft(model, tmp_path / "draft", target=str(tmp_path / "target"))
+    model, _ = _wrapped(tmp_path)
+    with pytest.raises(ValueError, match="local model directory"):
+        write_draft(model, tmp_path / "draft", target=str(tmp_path / "nowhere"))
+    gpt2 = make_model("gpt2", layers=4, dtype=torch.float32)
+    selfspec.wrap(gpt2, exit_layer=2)
+    with pytest.raises(ValueError, match="'gpt2'"):
+        write_draft(gpt2, tmp_path / "draft", target=str(tmp_path / "target"))
+
+
+def _lookup_by_hand(text: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """The rule read directly: the longest suffix of n_max ... n_min tokens that occurred before, continued from
+    its most recent earlier occurrence, up to k tokens (never past the text's end)."""
+    for n in range(min(n_max, len(text) - 1), n_min - 1, -1):
+        suffix = text[-n:]
+        for end in range(len(text) - 2, n - 2, -1):  # occurrences ending before the last token, latest first
+            if text[end - n + 1: end + 1] == suffix:
+                return text[end + 1: end + 1 + k]
+    return []
+
+
+def test_prompt_lookup_proposer_follows_the_rule():
+    rng = random.Random(0)
+    texts = [[rng.randrange(6) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    got = propose_rows([np.array(t) for t in texts], 5, 3, 1)
+    assert got == [_lookup_by_hand(t, 5, 3, 1) for t in texts]
+
+
+# --- vLLM itself --------------------------------------------------------------------------------------------------
+
+VLLM_PYTHON = os.environ.get("SELFSPEC_VLLM_PYTHON")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="SELFSPEC_VLLM_PYTHON names no vLLM environment (scripts/vllm_env.sh)")
+def test_vllm_serves_selfspecs_drafters_with_its_own_outputs(tmp_path, smollm2):
+    """vLLM with the exported head (EAGLE) and with selfspec's lookup (custom_class) gives vLLM's own float32
+    greedy tokens on two eval prompts, at one request and two at once, and the head's drafts are accepted (a
+    broken draft model keeps the outputs, since vLLM's verifier decides, but not its acceptance)."""
+    subprocess.run([sys.executable, "-m", "selfspec.cli", "export-vllm", "--output", str(tmp_path / "draft")],
+                   check=True, capture_output=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [VLLM_PYTHON, "-m", "selfspec.serving.vllm_bench", "--draft", str(tmp_path / "draft"), "--dtype", "float32",
+         "--methods", "vllm", "selfspec-ngram", "selfspec-heads", "--limit", "1", "--categories", "qa", "rag",
+         "--max-new-tokens", "48", "--concurrency", "2", "--output", str(tmp_path / "bench")],
+        env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    for name in ("selfspec-ngram", "selfspec-heads"):
+        for mode in ("one", "many"):
+            row = results["methods"][name][mode]
+            assert row["differs"] == 0 and row["near_tie"] == 0, (name, mode, results["verdicts"])
+    assert results["methods"]["selfspec-heads"]["one"]["mean_accepted"] > 1.1
+
+
+def _proposer(k=6, max_model_len=200):
+    """The proposer as vLLM builds it, from the two config fields it reads."""
+    from types import SimpleNamespace
+
+    from selfspec.serving.vllm_ngram import NgramProposer
+
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                             model_config=SimpleNamespace(max_model_len=max_model_len))
+    return NgramProposer(config)
+
+
+def test_prompt_lookup_draft_length_follows_each_requests_acceptance():
+    """transformers' schedule per request: one fewer after a failed draft, two more (up to k) after a whole one;
+    a row that holds another request starts over at k."""
+    proposer = _proposer(k=6)
+    table = np.zeros((1, 200), dtype=np.int32)
+    table[0, :96] = [1, 2, 3, 4, 5, 6, 7, 8] * 12  # every suffix recurs, with many tokens after it
+
+    def drafted(length, sampled):
+        return len(proposer.propose([sampled], np.array([length]), table)[0])
+
+    assert drafted(16, [8]) == 6  # a new request: k
+    assert drafted(17, [1]) == 5  # none of its 6 accepted (the step sampled only the target's token)
+    assert drafted(18, [2]) == 4
+    assert drafted(22, [3, 4, 5, 6, 7]) == 6  # all 4 accepted: 4 + 2
+    assert drafted(23, [8]) == 5
+    table[0, :40] = [5, 6] * 20  # another request moved into row 0: its most recent "5 6" leaves 2 tokens
+    assert drafted(40, [6]) == 2 and proposer.requests[0].budget == 6
+
+    proposer.adaptive = False
+    table[0, 40] = 5
+    drafted(41, [5])
+    assert proposer.requests[0].budget == 6  # a failed draft changes nothing
