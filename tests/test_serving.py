@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 import selfspec
 from conftest import make_model
@@ -43,6 +44,8 @@ def test_export_holds_the_first_layers_the_head_and_its_vocabulary_rows(tmp_path
     result = write_draft(model, tmp_path / "draft", target=str(tmp_path / "target"))
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURE] and config["num_hidden_layers"] == 2
+    assert AutoConfig.from_pretrained(tmp_path / "draft").num_hidden_layers == 2  # a config vLLM's loader accepts
+    assert config["selfspec_family"] == family
     assert config["selfspec_head"] == {"rank": 2 * HIDDEN, "draft_vocab_size": 8}
     assert result.exit_layer == 2 and result.num_speculative_tokens == 3
     assert result.speculative_config()["method"] == "eagle"

@@ -94,8 +94,10 @@ def write_draft(model, output: str, target: str | None = None) -> VllmExport:
     tensors["vocab_ids"] = vocab_ids
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     draft = {**config.to_dict(), "architectures": [ARCHITECTURE], "num_hidden_layers": exit_layer,
-             "tie_word_embeddings": False, "selfspec_exit_layer": exit_layer,
+             "tie_word_embeddings": False, "selfspec_exit_layer": exit_layer, "selfspec_family": family,
              "selfspec_head": {"rank": head.rank, "draft_vocab_size": int(vocab_ids.numel())}}
+    if isinstance(draft.get("layer_types"), list):  # per-layer settings (Qwen2's attention kinds) follow the cut
+        draft["layer_types"] = draft["layer_types"][:exit_layer]
     (out / "config.json").write_text(json.dumps(draft, indent=2, default=str) + "\n")
     result = VllmExport(str(out.resolve()), str(Path(target).resolve()), exit_layer,
                         engine.config.max_draft_tokens)

@@ -86,7 +86,7 @@ class _Inner(nn.Module):
 
 def _decoder_layer(vllm_config, config, prefix: str) -> nn.Module:
     """vLLM's own decoder layer of the target's family (the export's VLLM_FAMILIES)."""
-    if config.model_type == "qwen2":
+    if config.selfspec_family == "qwen2":  # not model_type: vLLM wraps a draft's config in its EAGLEConfig
         from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
         return Qwen2DecoderLayer(config, vllm_config.cache_config, vllm_config.quant_config, prefix=prefix)
@@ -95,9 +95,9 @@ def _decoder_layer(vllm_config, config, prefix: str) -> nn.Module:
     return LlamaDecoderLayer(vllm_config, prefix=prefix, config=config)
 
 
-def _weights_mapper(model_type: str):
+def _weights_mapper(family: str):
     """How the family's checkpoint names map onto vLLM's fused modules (q/k/v -> qkv_proj, ...)."""
-    if model_type == "qwen2":
+    if family == "qwen2":
         from vllm.model_executor.models.qwen2 import Qwen2Model
 
         return Qwen2Model.hf_to_vllm_mapper
@@ -117,6 +117,7 @@ class EagleSelfSpecForCausalLM(nn.Module):
         self.config = config
         dtype = vllm_config.model_config.dtype
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        config.target_layer_count = target_layers  # vLLM's layers index per-layer settings relative to it
         self.model = _Inner(vllm_config, config, f"{prefix}.model" if prefix else "model", target_layers)
         head = config.selfspec_head
         self.head = MLPHead(config.hidden_size, head["rank"], dtype)
@@ -154,6 +155,6 @@ class EagleSelfSpecForCausalLM(nn.Module):
                 self.vocab_ids.copy_(tensor)
             else:
                 rest.append((name, tensor))
-        loaded = AutoWeightsLoader(self).load_weights(rest, mapper=_weights_mapper(self.config.model_type))
+        loaded = AutoWeightsLoader(self).load_weights(rest, mapper=_weights_mapper(self.config.selfspec_family))
         # the embedding is not in the export: vLLM replaces it by the target's after loading
         return set(loaded) | {"vocab_ids", "model.embed_tokens.weight"}
