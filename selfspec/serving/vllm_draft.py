@@ -114,6 +114,9 @@ class EagleSelfSpecForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         config = vllm_config.speculative_config.draft_model_config.hf_config
+        if not hasattr(config, "selfspec_family"):
+            raise ValueError(f"{vllm_config.speculative_config.model} was written by an older `selfspec export-vllm`: "
+                             "run it again to rewrite the directory.")
         self.config = config
         dtype = vllm_config.model_config.dtype
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
