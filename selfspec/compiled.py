@@ -18,8 +18,9 @@ Every pass the engine makes once the prompt is in (a drafted token through layer
 So each (layer range, bucket, batch) compiles once, and nothing recompiles after the warm-up (tests/test_compiled.py
 counts). On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
 layout once, instead of the reorder an eager bfloat16 Linear makes at every call; on CUDA, mode="reduce-overhead"
-captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a small model. The
-prompt, whose length changes from call to call, and a head's own layers run eager.
+captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a small model. An exit
+head's MLP and the LM-head rows of its draft vocabulary compile the same way. The prompt, whose length changes from
+call to call, and an attention head's own layer run eager.
 
 The compiled graphs hold the weights as they were when compiled (freezing folds them in as constants): a model
 whose weights change afterwards gets `model.selfspec.reset_compiled()`.
@@ -72,9 +73,28 @@ def layer_range(adapter, start: int, stop: int, hidden, positions, masks: dict, 
     length = next(iter(masks.values())).shape[-1]
     cache = _SlotWriter(keys, values, slots, length, start)
     rotary = adapter.rotary(hidden, positions)
+    quiet = _OUTPUT_COLLECTOR.set(None) if _OUTPUT_COLLECTOR is not None else None
     for i in range(start, stop):
         hidden = adapter.call_layer(i, hidden, masks[adapter.window(i)], positions, rotary, cache)
+    if _OUTPUT_COLLECTOR is not None:
+        _OUTPUT_COLLECTOR.reset(quiet)
     return hidden
+
+
+def _output_collector():
+    """transformers' output-capturing hooks, installed on a model's layers the first time it is asked for hidden
+    states or attentions, read their collector from a ContextVar, which Dynamo cannot trace: the graph would break
+    in the layer loop and the whole pass would run eager. Set inside a compiled function, the collector becomes a
+    plain global (transformers' CompileableContextVar, as its own compiled forward uses it); the engine's passes
+    collect nothing, so it is set to None there and reset after."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output-capturing hooks
+        return None
+    return _active_collector if hasattr(_active_collector, "reset") else None
+
+
+_OUTPUT_COLLECTOR = _output_collector()
 
 
 def head_logits(adapter, normed):
@@ -82,9 +102,21 @@ def head_logits(adapter, normed):
     return adapter.lm_head(normed)
 
 
-# (device type) -> (compiled layer_range, compiled head_logits): one compiled function each, whatever the model, so
-# that Dynamo's graphs (kept per function) serve every engine; the graphs themselves are per model (guards)
-_FUNCTIONS: dict[str, tuple] = {}
+def exit_head_output(head, adapter, hidden, prev_top):
+    """An exit head's (B, Tb, H) final-normed output from (B, Tb, H) layer-E states, and for a top-reading head the
+    (B, Tb, H) final states it reads (None for the others)."""
+    return head.normed_eager(hidden, adapter, prev_top)
+
+
+def row_logits(rows: torch.nn.Linear, normed):
+    """(B, Tb, H) normed states -> (B, Tb, V_draft) logits of a head's draft vocabulary: the LM head's rows as a
+    module of their own, so that freezing folds them in (and prepacks them) as it does the model's weights."""
+    return rows(normed)
+
+
+# (device type) -> {name: compiled function}: one compiled function each, whatever the model, so that Dynamo's
+# graphs (kept per function) serve every engine; the graphs themselves are per model and per head (guards)
+_FUNCTIONS: dict[str, dict] = {}
 # model -> {device: its CompiledStep}: the steps outlive a wrap, as the graphs do
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -93,8 +125,8 @@ def _functions(device: torch.device) -> tuple:
     if device.type not in _FUNCTIONS:
         mode = "reduce-overhead" if device.type == "cuda" else None
         # dynamic=False: every shape is static except those marked dynamic (the cache lengths, on a CPU)
-        _FUNCTIONS[device.type] = (torch.compile(layer_range, mode=mode, dynamic=False),
-                                   torch.compile(head_logits, mode=mode, dynamic=False))
+        _FUNCTIONS[device.type] = {fn.__name__: torch.compile(fn, mode=mode, dynamic=False)
+                                   for fn in (layer_range, head_logits, exit_head_output, row_logits)}
     return _FUNCTIONS[device.type]
 
 
@@ -123,7 +155,16 @@ class CompiledStep:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self._layers, self._logits = _functions(device)
+        self._fns = _functions(device)
+        # exit head -> (its number here, its weights' (address, version) when compiled): a head whose weights
+        # moved since runs eager, as the graph holds them as they were; the number keeps a new head that reuses
+        # a dead one's id from skipping the guards of the first call
+        self._heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._head_count = 0
+        # id of a head's gathered LM-head rows -> (a weak reference to them, their number, their module): a new
+        # gather (the LM head changed) is a new module and graph (tensors compare by value, so no WeakKeyDictionary)
+        self._rows: dict[int, tuple] = {}
+        self._row_modules = 0
         self.warmup_seconds = 0.0
         self._seen: set = set()  # shapes compiled so far: a new one is timed as warm-up
         self._announced = False
@@ -207,8 +248,8 @@ class CompiledStep:
             positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
         hidden, positions = _dense(hidden), _dense(positions)
         slots = torch.arange(q_start, q_start + tb, device=hidden.device)
-        out = self._call(self._layers, ("layers", start, stop, b, tb), adapter, start, stop, hidden, positions,
-                         masks, slots, keys, values)
+        out = self._call(self._fns["layer_range"], ("layers", start, stop, b, tb), adapter, start, stop, hidden,
+                         positions, masks, slots, keys, values)
         for layer in layers:
             layer.advance(t)
         self._announce()
@@ -220,10 +261,43 @@ class CompiledStep:
         tb = bucket(t, self.buckets)
         if tb is None or torch.is_grad_enabled():
             return None
-        if tb > t:
-            normed = torch.cat([normed, normed.new_zeros(b, tb - t, normed.shape[-1])], dim=1)
-        normed = _dense(normed)
-        out = self._call(self._logits, ("logits", b, tb), adapter, normed)
+        out = self._call(self._fns["head_logits"], ("logits", b, tb), adapter, _padded(normed, tb))
+        return out[:, :t].clone() if self.cuda else out[:, :t]
+
+    def head_normed(self, head, adapter, hidden: torch.Tensor, prev_top: torch.Tensor | None) -> torch.Tensor | None:
+        """ExitHead.normed of (B, T, H) layer-E states through the compiled head, or None where it runs eager."""
+        b, t, _ = hidden.shape
+        tb = bucket(t, self.buckets)
+        if tb is None or torch.is_grad_enabled():
+            return None
+        weights = tuple((p.data_ptr(), p._version) for p in head.parameters())
+        if head not in self._heads:
+            self._head_count += 1
+            self._heads[head] = (self._head_count, weights)
+        number, compiled_weights = self._heads[head]
+        if weights != compiled_weights:
+            return None
+        prev = None if prev_top is None else _padded(prev_top.to(hidden.device), tb)
+        out = self._call(self._fns["exit_head_output"], ("head", number, b, tb, prev is None), head, adapter,
+                         _padded(hidden, tb), prev)
+        return out[:, :t].clone() if self.cuda else out[:, :t]
+
+    def row_logits(self, rows: torch.Tensor, normed: torch.Tensor) -> torch.Tensor | None:
+        """(B, T, H) normed states times the (V_draft, H) LM-head `rows` through the compiled product, or None."""
+        b, t, _ = normed.shape
+        tb = bucket(t, self.buckets)
+        if tb is None or torch.is_grad_enabled():
+            return None
+        entry = self._rows.get(id(rows))
+        if entry is None or entry[0]() is not rows:
+            module = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+            module.weight = torch.nn.Parameter(rows, requires_grad=False)
+            self._row_modules += 1
+            entry = self._rows[id(rows)] = (weakref.ref(rows), self._row_modules, module)
+            weakref.finalize(rows, self._rows.pop, id(rows), None)
+        _, number, module = entry
+        out = self._call(self._fns["row_logits"], ("rows", number, b, tb), module,
+                         _padded(normed.to(rows.device), tb))
         return out[:, :t].clone() if self.cuda else out[:, :t]
 
     def _announce(self) -> None:
@@ -231,6 +305,12 @@ class CompiledStep:
             self._announced = True
             warnings.warn(f"selfspec: compiling the step (the first passes of each shape compile; "
                           f"{self.warmup_seconds:.0f} s so far); later calls reuse the graphs.", stacklevel=2)
+
+
+def _padded(x: torch.Tensor, tb: int) -> torch.Tensor:
+    """(B, T, H) -> (B, Tb, H) with zero rows after the T real ones, with fresh strides (_dense)."""
+    b, t, h = x.shape
+    return _dense(x if tb == t else torch.cat([x, x.new_zeros(b, tb - t, h)], dim=1))
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,16 @@ class ExitHead(nn.Module):
 
     def normed(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
         """(B, T, H) final-normed output, the state the draft logits come from (a top-reading head's estimate of
-        the final state there, which the next draft reads as its `prev_top`)."""
+        the final state there, which the next draft reads as its `prev_top`). In a compiled decode call it runs
+        compiled (compiled.py); it is computed the same way either way (normed_eager)."""
+        if adapter.compiled is not None and not self.stateful:
+            out = adapter.compiled.head_normed(self, adapter, hidden, prev_top)
+            if out is not None:
+                return out
+        return self.normed_eager(hidden, adapter, prev_top)
+
+    def normed_eager(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
+        """`normed`, op by op: what the compiled step traces."""
         # heads that read no final state keep the two-argument transform (subclasses written for it still work)
         h = self.transform(hidden, adapter, prev_top) if self.reads_top else self.transform(hidden, adapter)
         return adapter.final_norm(h)

@@ -40,13 +40,71 @@ def test_compiled_greedy_is_hugging_faces_in_float32(family, monkeypatch):
         selfspec.unwrap(model)
 
 
+def _trained_like_head(model, copy_max: int = 0):
+    """A top-reading MLP head at layer 2 over most of the vocabulary, near the plain exit (so drafts get accepted)
+    but depending on every weight it has: what the compiled head must reproduce."""
+    from selfspec.heads import MLPHead
+
+    torch.manual_seed(5)
+    hidden = model.config.hidden_size
+    vocab = torch.arange(model.config.vocab_size)[torch.randperm(model.config.vocab_size) % 8 != 0].sort().values
+    head = MLPHead(2, hidden, 2 * hidden, vocab_ids=vocab, context="top", copy_max=copy_max)
+    for w in (head.down.weight, head.top_in.weight):
+        torch.nn.init.normal_(w, std=0.001)  # more and no draft of this model is accepted
+    return head.to(model.dtype)
+
+
+@pytest.mark.parametrize("tree", [1, 3])
+def test_compiled_heads_draft_what_eager_heads_draft(tree):
+    """The exit head's MLP and its draft-vocabulary rows run compiled: the same drafts as eager (equal counts of
+    drafted and accepted tokens) and Hugging Face's tokens, chains and trees."""
+    model = make_model("llama", dtype=torch.float32)
+    ids = prompt(seed=13, length=10)
+    plain = _plain(model, ids)
+    runs = {}
+    for compile_ in (False, True):
+        selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, draft_tree_top_k=tree, draft_tree_size=6,
+                      compile=compile_)
+        model.selfspec.add_head(_trained_like_head(model))
+        try:
+            out = _plain(model, ids)
+            stats = model.selfspec.last_stats
+            runs[compile_] = (out, stats.drafted_tokens, stats.accepted_tokens)
+        finally:
+            selfspec.unwrap(model)
+    assert torch.equal(runs[True][0], plain) and torch.equal(runs[False][0], plain)
+    assert runs[True][2] > 0, "no draft was accepted: the comparison would not see a wrong draft"
+    assert runs[True][1:] == runs[False][1:]
+    seen = {key[0] for key in compiled.step_for(model, model.device)._seen}
+    assert {"head", "rows"} <= seen, seen  # the head did run compiled
+
+
+def test_a_head_whose_weights_changed_runs_eager():
+    model = make_model("llama", dtype=torch.float32)
+    head = _trained_like_head(model)
+    step = compiled.CompiledStep(torch.device("cpu"))
+    hidden, prev = torch.randn(1, 1, model.config.hidden_size), torch.randn(1, 1, model.config.hidden_size)
+    adapter = selfspec.wrap(model, exit_layer=2).selfspec.adapter
+    try:
+        with torch.no_grad():
+            first = step.head_normed(head, adapter, hidden, prev)
+            assert torch.allclose(first, head.normed_eager(hidden, adapter, prev), atol=1e-5)
+            head.down.weight.mul_(2)  # the graph holds the weights as compiled
+            assert step.head_normed(head, adapter, hidden, prev) is None
+    finally:
+        selfspec.unwrap(model)
+
+
 def test_each_shape_compiles_once():
     """Drafts of every length (the n-gram drafter's run from 0 to K, the head's stop early at its threshold), trees,
-    and a cache that grows at every step and is sized anew by every call: each pass shape (layer range, bucket,
-    batch) compiles once, in one graph, and no pass recompiles after its shape's first."""
+    a copy head reading the final state, transformers' output-capturing hooks on the layers, and a cache that grows
+    at every step and is sized anew by every call: each pass shape (layer range, bucket, batch; the head's and its
+    rows' bucket) compiles once, in one graph, and no pass recompiles after its shape's first."""
     model = make_model("qwen2", dtype=torch.float32)
+    model(prompt(seed=0), output_hidden_states=True)  # installs transformers' output-capturing hooks on its layers
     selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=4, draft_confidence_threshold=0.3,
                   hybrid_policy="lookup-when-unsure", compile=True)
+    model.selfspec.add_head(_trained_like_head(model, copy_max=2))
     try:
         counters.clear()
         for tree in (1, 2):
@@ -55,7 +113,8 @@ def test_each_shape_compiles_once():
                 _plain(model, prompt(seed=seed, length=5 + 7 * seed))
                 assert model.selfspec.last_stats.drafted_tokens > 0
         step = compiled.step_for(model, model.device)
-        assert len(step._seen) >= 4  # draft and verify ranges at several buckets, and the LM head
+        assert len(step._seen) >= 4  # draft and verify ranges at several buckets, the LM head, the exit head
+        assert {"head", "rows"} <= {key[0] for key in step._seen}
         assert _graphs() == len(step._seen), "a pass recompiled, or a graph broke in two"
     finally:
         selfspec.unwrap(model)

@@ -107,8 +107,11 @@ class ArchAdapter:
         """LM head on final-normed states (B, T, H) -> (B, T, V), or only the rows `vocab_ids` -> (B, T, len)."""
         head = self.lm_head
         out = None
-        if vocab_ids is None and self.compiled is not None:
-            out = self.compiled.logits(self, normed)
+        if self.compiled is not None:
+            if vocab_ids is None:
+                out = self.compiled.logits(self, normed)
+            elif not torch.is_grad_enabled() and (rows := _plain_rows(head, vocab_ids)) is not None:
+                out = self.compiled.row_logits(rows, normed)
         if out is None:
             out = head(normed) if vocab_ids is None else _head_rows(head, normed, vocab_ids)
         return out if self.home is None else out.to(self.home)
@@ -156,6 +159,18 @@ def _head_rows(head: nn.Module, normed: torch.Tensor, vocab_ids: torch.Tensor) -
         if offloaded:
             return nn.functional.linear(normed.to(weight.device), weight[rows], bias)
         return nn.functional.linear(normed.to(weight.device), _gathered_rows(weight, vocab_ids, rows), bias)
+
+
+def _plain_rows(head: nn.Module, vocab_ids: torch.Tensor) -> torch.Tensor | None:
+    """The LM head's rows `vocab_ids` (len, H), gathered once, where its weight is a plain floating tensor with
+    no bias, loaded where it computes (what the compiled step can fold in); None for any other LM head."""
+    weight = getattr(head, "weight", None)
+    hook = getattr(head, "_hf_hook", None)
+    if (not isinstance(weight, torch.Tensor) or type(weight) not in (torch.Tensor, nn.Parameter)
+            or not weight.is_floating_point() or weight.device.type == "meta" or hook is not None
+            or getattr(head, "bias", None) is not None):
+        return None
+    return _gathered_rows(weight, vocab_ids, vocab_ids.to(weight.device))
 
 
 @dataclass
