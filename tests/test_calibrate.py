@@ -360,6 +360,22 @@ def test_resume_adds_trials_to_the_same_study(tmp_path):
         calibrate(other, _prompts(2), spec, storage=storage, study_name="s", trials=1, **QUIET)
 
 
+def test_compiled_trials_go_to_a_study_of_their_own(tmp_path):
+    """A compiled step's passes cost less than eager ones: its trials are another setup's. The default study name
+    says so, and a study stored without the key (eager, as every one then was) refuses compiled trials."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    model = make_model("llama", 4, dtype=torch.float32)
+    spec = _spec(max_draft_tokens={"min": 1, "max": 2}, exit_layer=[1, 2])
+    selfspec.wrap(model, compile=True)
+    result = calibrate(model, _prompts(2), spec, storage=storage, trials=1, **QUIET)
+    assert result.study_name.endswith("-compiled")
+    identity = optuna.load_study(study_name=result.study_name, storage=storage).user_attrs["identity"]
+    assert identity.pop("compile") is True
+    optuna.create_study(study_name="eager", storage=storage).set_user_attr("identity", identity)
+    with pytest.raises(ValueError, match=r"another setup \(stored vs now: \{'compile': \(False, True\)\}"):
+        calibrate(model, _prompts(2), spec, storage=storage, study_name="eager", trials=1, **QUIET)
+
+
 def test_a_stored_identity_with_a_removed_speed_layer_is_read(tmp_path):
     """Identities stored by earlier versions may record prepacked weights (`packed`) and a small-row kernel
     (`small_gemm`): a study timed with either on was another setup's and is refused in one line, one timed

@@ -33,9 +33,9 @@ def study_identity(model, name: str | None) -> dict:
     return {**model_identity(model, name), "heads": sorted(heads), "head_weights": fingerprint}
 
 
-# what a study stored before its identity recorded a key was made with: every such study decoded greedily, and
-# none had folded attention
-_IMPLIED = {"decoding": "greedy", "folded_gqa": False}
+# what a study stored before its identity recorded a key was made with: every such study decoded greedily, ran
+# eager (a compiled step's passes cost less, so its trials are another setup's) and had no folded attention
+_IMPLIED = {"decoding": "greedy", "folded_gqa": False, "compile": False}
 # keys that identities stored by earlier versions may hold for speed layers selfspec no longer has (prepacked bf16
 # weights, a small-row matmul kernel), at the value every setup has now: a study timed with one of them on was
 # another setup's and is refused, one timed without them resumes
@@ -421,7 +421,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
         os.makedirs(output, exist_ok=True)
         storage = default_storage(output)
     trials = 20 if trials is None and timeout is None else trials
-    identity = {**study_identity(model, model_name), "decoding": spec.measure.decoding}
+    identity = {**study_identity(model, model_name), "decoding": spec.measure.decoding, "compile": bool(base.compile)}
     study_name = study_name or _default_study_name(identity)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -469,6 +469,7 @@ def _default_study_name(identity: dict) -> str:
     name = Path(str(identity["model_name"])).name or "model"
     heads = "heads" + "-".join(map(str, identity["heads"])) if identity["heads"] else "untrained"
     folded = "-foldedgqa" if identity.get("folded_gqa") else ""
+    folded += "-compiled" if identity.get("compile") else ""
     decoding = {**_IMPLIED, **identity}["decoding"]
     # one study per sampling setting: "-sampled-temperature0.7-top-p0.9"; greedy studies keep their old names
     slug = decoding.removeprefix("sample, ").replace(", ", "-").replace(" ", "")
