@@ -16,7 +16,9 @@ Every pass the engine makes once the prompt is in (a drafted token through layer
 - positions, masks and slot indices are tensors.
 
 So each (layer range, bucket, batch) compiles once, and nothing recompiles after the warm-up (tests/test_compiled.py
-counts). On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
+counts). On a CPU each graph keeps a prepacked copy of the weights it runs; where the copies of every bucket would
+not fit in the memory available (COPIES_PER_STATIC_STEP), the passes of 2 or more tokens share one graph per layer
+range, their token count marked dynamic, instead of one graph per bucket. On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
 layout once, instead of the reorder an eager bfloat16 Linear makes at every call; on CUDA, mode="reduce-overhead"
 captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a small model. An exit
 head's MLP and the LM-head rows of its draft vocabulary compile the same way. The prompt, whose length changes from
@@ -135,7 +137,29 @@ def step_for(model, device: torch.device) -> CompiledStep:
     steps = _STEPS.setdefault(model, {})
     if device not in steps:
         steps[device] = CompiledStep(device)
+        if device.type == "cpu":
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            steps[device].dynamic_tokens = COPIES_PER_STATIC_STEP * weights > _available_memory()
     return steps[device]
+
+
+# On a CPU every compiled graph holds its own prepacked copy of the weights it runs (Inductor's freezing), so static
+# token counts cost a copy of the model per pass shape: SmolLM2-135M's 0.27 GB grew the process by 2.0 GB over
+# 19 shapes of the hybrid. Where this many copies would not fit in the memory available, passes of 2 or more
+# tokens share one graph per layer range instead (about half the memory there, and about a tenth slower).
+COPIES_PER_STATIC_STEP = 8
+
+
+def _available_memory() -> float:
+    """Bytes of memory available to this process now (Linux's MemAvailable), or infinity where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
 
 
 def forget(model) -> None:
@@ -170,6 +194,21 @@ class CompiledStep:
         self._announced = False
         self.recompiles = 0  # passes of a shape compiled before that compiled again (none expected)
         self.buckets = BUCKETS
+        self.dynamic_tokens = False  # CPU only: one graph for passes of 2+ tokens where memory is short (step_for)
+
+    def size(self, tokens: int) -> tuple[int | None, int | str]:
+        """(rows a pass of `tokens` tokens runs, its shape's key): the bucket, padded to; with dynamic_tokens the
+        tokens themselves, every pass of 2 or more sharing one graph whose token count is dynamic (None: eager)."""
+        if not self.dynamic_tokens:
+            tb = bucket(tokens, self.buckets)
+            return tb, tb
+        return (tokens if tokens <= BUCKETS[-1] else None), ("T" if tokens > 1 else 1)
+
+    def _mark_tokens(self, tokens: int, *dims) -> None:
+        """With dynamic_tokens, mark the token dimension of each (tensor, dim) dynamic for a pass of 2 or more."""
+        if self.dynamic_tokens and tokens > 1:
+            for tensor, dim in dims:
+                torch._dynamo.mark_dynamic(tensor, dim)
 
     def fit(self, *sizes: int) -> None:
         """Add exact buckets for the pass sizes a call makes most (its full verify passes)."""
@@ -206,7 +245,7 @@ class CompiledStep:
             return fn(*args)
 
     def can_run(self, cache, start: int, stop: int, tokens: int) -> bool:
-        tb = bucket(tokens, self.buckets)
+        tb, _ = self.size(tokens)
         if tb is None or start >= stop:
             return False
         q_start = cache.layer_length(start)
@@ -219,7 +258,7 @@ class CompiledStep:
 
         adapter, cache, table = ctx.adapter, ctx.cache, ctx.slots
         b, t, _ = hidden.shape
-        tb = bucket(t, self.buckets)
+        tb, key = self.size(t)
         q_start = cache.layer_length(start)
         if start == 0:
             table.write(q_start, positions if slot_positions is None else slot_positions)
@@ -248,7 +287,8 @@ class CompiledStep:
             positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
         hidden, positions = _dense(hidden), _dense(positions)
         slots = torch.arange(q_start, q_start + tb, device=hidden.device)
-        out = self._call(self._fns["layer_range"], ("layers", start, stop, b, tb), adapter, start, stop, hidden,
+        self._mark_tokens(t, (hidden, 1), (positions, 1), (slots, 0), *((mask, 2) for mask in masks.values()))
+        out = self._call(self._fns["layer_range"], ("layers", start, stop, b, key), adapter, start, stop, hidden,
                          positions, masks, slots, keys, values)
         for layer in layers:
             layer.advance(t)
@@ -258,16 +298,18 @@ class CompiledStep:
     def logits(self, adapter, normed: torch.Tensor) -> torch.Tensor | None:
         """The LM head over (B, T, H) states through the compiled head, or None where it does not run compiled."""
         b, t, _ = normed.shape
-        tb = bucket(t, self.buckets)
+        tb, key = self.size(t)
         if tb is None or torch.is_grad_enabled():
             return None
-        out = self._call(self._fns["head_logits"], ("logits", b, tb), adapter, _padded(normed, tb))
+        normed = _padded(normed, tb)
+        self._mark_tokens(t, (normed, 1))
+        out = self._call(self._fns["head_logits"], ("logits", b, key), adapter, normed)
         return out[:, :t].clone() if self.cuda else out[:, :t]
 
     def head_normed(self, head, adapter, hidden: torch.Tensor, prev_top: torch.Tensor | None) -> torch.Tensor | None:
         """ExitHead.normed of (B, T, H) layer-E states through the compiled head, or None where it runs eager."""
         b, t, _ = hidden.shape
-        tb = bucket(t, self.buckets)
+        tb, key = self.size(t)
         if tb is None or torch.is_grad_enabled():
             return None
         weights = tuple((p.data_ptr(), p._version) for p in head.parameters())
@@ -277,15 +319,17 @@ class CompiledStep:
         number, compiled_weights = self._heads[head]
         if weights != compiled_weights:
             return None
+        hidden = _padded(hidden, tb)
         prev = None if prev_top is None else _padded(prev_top.to(hidden.device), tb)
-        out = self._call(self._fns["exit_head_output"], ("head", number, b, tb, prev is None), head, adapter,
-                         _padded(hidden, tb), prev)
+        self._mark_tokens(t, (hidden, 1), *(() if prev is None else ((prev, 1),)))
+        out = self._call(self._fns["exit_head_output"], ("head", number, b, key, prev is None), head, adapter,
+                         hidden, prev)
         return out[:, :t].clone() if self.cuda else out[:, :t]
 
     def row_logits(self, rows: torch.Tensor, normed: torch.Tensor) -> torch.Tensor | None:
         """(B, T, H) normed states times the (V_draft, H) LM-head `rows` through the compiled product, or None."""
         b, t, _ = normed.shape
-        tb = bucket(t, self.buckets)
+        tb, key = self.size(t)
         if tb is None or torch.is_grad_enabled():
             return None
         entry = self._rows.get(id(rows))
@@ -296,8 +340,9 @@ class CompiledStep:
             entry = self._rows[id(rows)] = (weakref.ref(rows), self._row_modules, module)
             weakref.finalize(rows, self._rows.pop, id(rows), None)
         _, number, module = entry
-        out = self._call(self._fns["row_logits"], ("rows", number, b, tb), module,
-                         _padded(normed.to(rows.device), tb))
+        normed = _padded(normed.to(rows.device), tb)
+        self._mark_tokens(t, (normed, 1))
+        out = self._call(self._fns["row_logits"], ("rows", number, b, key), module, normed)
         return out[:, :t].clone() if self.cuda else out[:, :t]
 
     def _announce(self) -> None:

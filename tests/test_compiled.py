@@ -21,16 +21,18 @@ def _graphs() -> int:
     return counters["frames"]["ok"]
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("mistral", marks=pytest.mark.slow),
-                                    pytest.param("gpt2", marks=pytest.mark.slow),
-                                    pytest.param("gpt_neox", marks=pytest.mark.slow)])
-def test_compiled_greedy_is_hugging_faces_in_float32(family, monkeypatch):
-    # no exact buckets: every verify pass of K + 1 = 5 tokens runs padded to 8 rows
+@pytest.mark.parametrize("family,dynamic", [("llama", False), ("llama", True),
+                                            pytest.param("mistral", False, marks=pytest.mark.slow),
+                                            pytest.param("gpt2", False, marks=pytest.mark.slow),
+                                            pytest.param("gpt_neox", False, marks=pytest.mark.slow)])
+def test_compiled_greedy_is_hugging_faces_in_float32(family, dynamic, monkeypatch):
+    # no exact buckets: every verify pass of K + 1 = 5 tokens runs padded to 8 rows (dynamic: at its own 5 rows)
     monkeypatch.setattr(compiled.CompiledStep, "fit", lambda self, *sizes: None)
     model = make_model(family, dtype=torch.float32)
     ids, (batch, mask) = prompt(seed=11, length=12), padded_batch(seed=12)
     plain_one, plain_batch = _plain(model, ids), _plain(model, batch, mask)
     selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, compile=True)
+    compiled.step_for(model, model.device).dynamic_tokens = dynamic
     try:
         assert torch.equal(_plain(model, ids), plain_one)
         assert model.selfspec.last_stats.accepted_tokens > 0  # drafts were verified, some accepted
@@ -82,8 +84,9 @@ def test_compiled_heads_draft_what_eager_heads_draft(tree):
 def test_a_head_whose_weights_changed_runs_eager():
     model = make_model("llama", dtype=torch.float32)
     head = _trained_like_head(model)
-    step = compiled.CompiledStep(torch.device("cpu"))
-    hidden, prev = torch.randn(1, 1, model.config.hidden_size), torch.randn(1, 1, model.config.hidden_size)
+    head = head.to(model.device)
+    step = compiled.CompiledStep(model.device)
+    hidden, prev = (torch.randn(1, 1, model.config.hidden_size, device=model.device) for _ in range(2))
     adapter = selfspec.wrap(model, exit_layer=2).selfspec.adapter
     try:
         with torch.no_grad():
@@ -95,7 +98,8 @@ def test_a_head_whose_weights_changed_runs_eager():
         selfspec.unwrap(model)
 
 
-def test_each_shape_compiles_once():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_each_shape_compiles_once(dynamic):
     """Drafts of every length (the n-gram drafter's run from 0 to K, the head's stop early at its threshold), trees,
     a copy head reading the final state, transformers' output-capturing hooks on the layers, and a cache that grows
     at every step and is sized anew by every call: each pass shape (layer range, bucket, batch; the head's and its
@@ -105,6 +109,7 @@ def test_each_shape_compiles_once():
     selfspec.wrap(model, drafter="hybrid", exit_layer=2, max_draft_tokens=4, draft_confidence_threshold=0.3,
                   hybrid_policy="lookup-when-unsure", compile=True)
     model.selfspec.add_head(_trained_like_head(model, copy_max=2))
+    compiled.step_for(model, model.device).dynamic_tokens = dynamic  # one graph per range for 2+ tokens
     try:
         counters.clear()
         for tree in (1, 2):
@@ -115,6 +120,8 @@ def test_each_shape_compiles_once():
         step = compiled.step_for(model, model.device)
         assert len(step._seen) >= 4  # draft and verify ranges at several buckets, the LM head, the exit head
         assert {"head", "rows"} <= {key[0] for key in step._seen}
+        if dynamic:  # every pass of 2 or more tokens shares its range's graph
+            assert {key[-1] for key in step._seen if key[0] == "layers"} == {1, "T"}
         assert _graphs() == len(step._seen), "a pass recompiled, or a graph broke in two"
     finally:
         selfspec.unwrap(model)
