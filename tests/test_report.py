@@ -53,9 +53,12 @@ def test_update_rewrites_a_stale_page_and_reports_through_the_cli(tmp_path):
 def test_a_record_with_prepacked_weights_says_so_and_its_command_still_runs():
     """Records measured with prepacked weights (a speed layer selfspec no longer has) say so, and the command each
     shows leaves out the flag the bench no longer takes."""
-    text = report.section("docs/results/cpu-avx512-bf16-speed", ROOT)
-    assert "- weights: prepacked by hand" in text and "--pack-weights" not in text
-    assert "--dtype bfloat16 --methods hf-greedy selfspec selfspec-compiled" in text
+    text = report.section("docs/results/cpu-amx", ROOT)
+    assert "- weights: prepacked by hand" in text
+    assert "--dtype bfloat16 --methods hf-greedy hf-prompt-lookup selfspec" in text
+    old = {"meta": {"command": "selfspec bench --limit 4 --pack-weights --methods hf-greedy --output /tmp/x"}}
+    assert report.reproducing_command(old, "docs/results/d") == (
+        "selfspec bench --limit 4 --methods hf-greedy --output docs/results/d")
     assert "- weights:" not in report.section("docs/results/cpu-avx2", ROOT)  # dense float32: nothing to say
 
 
