@@ -16,10 +16,10 @@ Every pass the engine makes once the prompt is in (a drafted token through layer
 - positions, masks and slot indices are tensors.
 
 So each (layer range, bucket, batch) compiles once, and nothing recompiles after the warm-up (tests/test_compiled.py
-counts). On a CPU each graph keeps a prepacked copy of the weights it runs; where the copies of every bucket would
-not fit in the memory available (COPIES_PER_STATIC_STEP), the passes of 2 or more tokens share one graph per layer
-range, their token count marked dynamic, instead of one graph per bucket. On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
-layout once, instead of the reorder an eager bfloat16 Linear makes at every call; on CUDA, mode="reduce-overhead"
+counts). On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
+layout once, instead of the reorder an eager bfloat16 Linear makes at every call. Each graph keeps its own copy, so
+where the copies of every bucket would not fit in the memory available (COPIES_PER_STATIC_STEP), the passes of 2 or
+more tokens share one graph per layer range, their token count marked dynamic. On CUDA, mode="reduce-overhead"
 captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a small model. An exit
 head's MLP and the LM-head rows of its draft vocabulary compile the same way. The prompt, whose length changes from
 call to call, and an attention head's own layer run eager.
@@ -293,24 +293,36 @@ class CompiledStep:
         for layer in layers:
             layer.advance(t)
         self._announce()
+        return self._real_rows(out, t)
+
+    def runs(self, tokens: int) -> bool:
+        """Whether a pass of `tokens` tokens outside the layers (an LM head, an exit head) runs compiled."""
+        return self.size(tokens)[0] is not None and not torch.is_grad_enabled()
+
+    def _token_pass(self, name: str, key: tuple, *args) -> torch.Tensor | None:
+        """The compiled function `name` on `args`, whose tensors are (B, T, H) states, its shape keyed by `key` plus
+        (B, the pass's size): each tensor padded to the pass's rows (and marked, with dynamic_tokens), the T real
+        rows of its output returned; None where it runs eager (runs)."""
+        b, t, _ = next(a for a in args if isinstance(a, torch.Tensor)).shape
+        if not self.runs(t):
+            return None
+        tb, size = self.size(t)
+        args = [_padded(a, tb) if isinstance(a, torch.Tensor) else a for a in args]
+        self._mark_tokens(t, *((a, 1) for a in args if isinstance(a, torch.Tensor)))
+        out = self._call(self._fns[name], (*key, b, size), *args)
+        return self._real_rows(out, t)
+
+    def _real_rows(self, out: torch.Tensor, t: int) -> torch.Tensor:
+        """A padded output's first t rows (copied on CUDA, where the graph reuses its output's memory)."""
         return out[:, :t].clone() if self.cuda else out[:, :t]
 
     def logits(self, adapter, normed: torch.Tensor) -> torch.Tensor | None:
         """The LM head over (B, T, H) states through the compiled head, or None where it does not run compiled."""
-        b, t, _ = normed.shape
-        tb, key = self.size(t)
-        if tb is None or torch.is_grad_enabled():
-            return None
-        normed = _padded(normed, tb)
-        self._mark_tokens(t, (normed, 1))
-        out = self._call(self._fns["head_logits"], ("logits", b, key), adapter, normed)
-        return out[:, :t].clone() if self.cuda else out[:, :t]
+        return self._token_pass("head_logits", ("logits",), adapter, normed)
 
     def head_normed(self, head, adapter, hidden: torch.Tensor, prev_top: torch.Tensor | None) -> torch.Tensor | None:
         """ExitHead.normed of (B, T, H) layer-E states through the compiled head, or None where it runs eager."""
-        b, t, _ = hidden.shape
-        tb, key = self.size(t)
-        if tb is None or torch.is_grad_enabled():
+        if not self.runs(hidden.shape[1]):  # first: a head called in training is not recorded mid-change
             return None
         weights = tuple((p.data_ptr(), p._version) for p in head.parameters())
         if head not in self._heads:
@@ -319,18 +331,12 @@ class CompiledStep:
         number, compiled_weights = self._heads[head]
         if weights != compiled_weights:
             return None
-        hidden = _padded(hidden, tb)
-        prev = None if prev_top is None else _padded(prev_top.to(hidden.device), tb)
-        self._mark_tokens(t, (hidden, 1), *(() if prev is None else ((prev, 1),)))
-        out = self._call(self._fns["exit_head_output"], ("head", number, b, key, prev is None), head, adapter,
-                         hidden, prev)
-        return out[:, :t].clone() if self.cuda else out[:, :t]
+        prev = None if prev_top is None else prev_top.to(hidden.device)
+        return self._token_pass("exit_head_output", ("head", number, prev is None), head, adapter, hidden, prev)
 
     def row_logits(self, rows: torch.Tensor, normed: torch.Tensor) -> torch.Tensor | None:
         """(B, T, H) normed states times the (V_draft, H) LM-head `rows` through the compiled product, or None."""
-        b, t, _ = normed.shape
-        tb, key = self.size(t)
-        if tb is None or torch.is_grad_enabled():
+        if not self.runs(normed.shape[1]):
             return None
         entry = self._rows.get(id(rows))
         if entry is None or entry[0]() is not rows:
@@ -340,10 +346,7 @@ class CompiledStep:
             entry = self._rows[id(rows)] = (weakref.ref(rows), self._row_modules, module)
             weakref.finalize(rows, self._rows.pop, id(rows), None)
         _, number, module = entry
-        normed = _padded(normed.to(rows.device), tb)
-        self._mark_tokens(t, (normed, 1))
-        out = self._call(self._fns["row_logits"], ("rows", number, b, key), module, normed)
-        return out[:, :t].clone() if self.cuda else out[:, :t]
+        return self._token_pass("row_logits", ("rows", number), module, normed.to(rows.device))
 
     def _announce(self) -> None:
         if not self._announced and self.warmup_seconds > 0:
