@@ -98,6 +98,18 @@ def test_a_head_whose_weights_changed_runs_eager():
         selfspec.unwrap(model)
 
 
+def test_short_memory_shares_graphs_and_says_so(monkeypatch):
+    model = make_model("llama", dtype=torch.float32)
+    if model.device.type != "cpu":
+        pytest.skip("the copies are a CPU's (Inductor's freezing)")
+    monkeypatch.setattr(compiled, "_available_memory", lambda: 1e9)
+    assert not compiled.step_for(model, model.device).dynamic_tokens  # a tiny model's 8 copies fit in 1 GB
+    other = make_model("llama", dtype=torch.float32)
+    monkeypatch.setattr(compiled, "_available_memory", lambda: 1e3)
+    with pytest.warns(UserWarning, match="do not fit in the 0.0 GB available, so passes of 2 or more tokens share"):
+        assert compiled.step_for(other, other.device).dynamic_tokens
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_each_shape_compiles_once(dynamic):
     """Drafts of every length (the n-gram drafter's run from 0 to K, the head's stop early at its threshold), trees,
