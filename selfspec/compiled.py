@@ -204,15 +204,17 @@ class CompiledStep:
 
     def size(self, tokens: int) -> tuple[int | None, int | str]:
         """(rows a pass of `tokens` tokens runs, its shape's key): the bucket, padded to; with dynamic_tokens the
-        tokens themselves, every pass of 2 or more sharing one graph whose token count is dynamic (None: eager)."""
+        tokens themselves (at least 2), every pass sharing one graph whose token count is dynamic (None: eager)."""
         if not self.dynamic_tokens:
             tb = bucket(tokens, self.buckets)
             return tb, tb
-        return (tokens if tokens <= BUCKETS[-1] else None), ("T" if tokens > 1 else 1)
+        # a single token runs padded to two rows: a dimension of size 1 would specialise (a graph, and a copy of
+        # the weights, of its own), and a second row costs little where reading the weights bounds the pass
+        return (max(tokens, 2) if tokens <= BUCKETS[-1] else None), "T"
 
-    def _mark_tokens(self, tokens: int, *dims) -> None:
-        """With dynamic_tokens, mark the token dimension of each (tensor, dim) dynamic for a pass of 2 or more."""
-        if self.dynamic_tokens and tokens > 1:
+    def _mark_tokens(self, *dims) -> None:
+        """With dynamic_tokens, mark the token dimension of each (tensor, dim) dynamic."""
+        if self.dynamic_tokens:
             for tensor, dim in dims:
                 torch._dynamo.mark_dynamic(tensor, dim)
 
@@ -293,7 +295,7 @@ class CompiledStep:
             positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
         hidden, positions = _dense(hidden), _dense(positions)
         slots = torch.arange(q_start, q_start + tb, device=hidden.device)
-        self._mark_tokens(t, (hidden, 1), (positions, 1), (slots, 0), *((mask, 2) for mask in masks.values()))
+        self._mark_tokens((hidden, 1), (positions, 1), (slots, 0), *((mask, 2) for mask in masks.values()))
         out = self._call(self._fns["layer_range"], ("layers", start, stop, b, key), adapter, start, stop, hidden,
                          positions, masks, slots, keys, values)
         for layer in layers:
@@ -314,7 +316,7 @@ class CompiledStep:
             return None
         tb, size = self.size(t)
         args = [_padded(a, tb) if isinstance(a, torch.Tensor) else a for a in args]
-        self._mark_tokens(t, *((a, 1) for a in args if isinstance(a, torch.Tensor)))
+        self._mark_tokens(*((a, 1) for a in args if isinstance(a, torch.Tensor)))
         out = self._call(self._fns[name], (*key, b, size), *args)
         return self._real_rows(out, t)
 

@@ -259,6 +259,25 @@ def test_chain_methods_draft_chains_when_the_calibrated_winner_is_a_tree(model, 
     assert not res.mismatches
 
 
+def test_no_heads_method_runs_what_wrap_runs_without_heads(model, tmp_path):
+    """selfspec-no-heads measures the first thing a user meets, `selfspec.wrap(model)`: neither the calibrated
+    n-gram setting of --heads nor the command line's K reaches it."""
+    per = {"ngram": {"drafter": "ngram", "max_draft_tokens": 2, "ngram_max": 2}}
+    selfspec.wrap(model, exit_layer=3, max_draft_tokens=3, metadata={"calibration": {"per_drafter": per}})
+    model.selfspec.save_pretrained(str(tmp_path / "heads"))
+    selfspec.unwrap(model)
+    res = _run(model, methods=("hf-greedy", "selfspec-ngram", "selfspec-no-heads"), heads=str(tmp_path / "heads"))
+    with pytest.warns(UserWarning, match="no trained exit heads"):
+        selfspec.wrap(model)
+    try:
+        default = bench.engine_settings(model.selfspec.config)
+    finally:
+        selfspec.unwrap(model)
+    settings = res.setup["engine_settings"]
+    assert settings["selfspec-no-heads"] == default != settings["selfspec-ngram"], settings
+    assert not res.mismatches
+
+
 def test_sampling_mode_reports_speed_not_exactness(model):
     res = _run(model, methods=("hf-greedy", "selfspec-untrained", "oracle"), sample=True, temperature=0.8,
                top_p=0.9)

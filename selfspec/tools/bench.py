@@ -189,20 +189,29 @@ class EngineMethod(Method):
     """The model wrapped by selfspec with a drafter; `trained` adds the heads/config of --heads (or shipped)."""
 
     def __init__(self, description: str, drafter: str, trained: bool = False, oracle: bool = False,
-                 tree: bool = False, compile: bool = False):
+                 tree: bool = False, compile: bool = False, no_heads: bool = False):
         self.description, self.drafter, self.trained, self.oracle = description, drafter, trained, oracle
         self.tree = tree  # draft trees (the calibrated tree shape, else DEFAULT_TREE)
+        # no_heads: the config `selfspec.wrap(model)` runs given neither heads nor a config, as a user first meets it
+        self.no_heads = no_heads
         # compile: the engine's compiled step (compiled.py), its compile time left out of the time measured (the
         # warm-up a server pays once)
         self.compile = compile
 
     def variant(self, description: str, **changes) -> "EngineMethod":
         fields = dict(description=description, drafter=self.drafter, trained=self.trained, oracle=self.oracle,
-                      tree=self.tree, compile=self.compile)
+                      tree=self.tree, compile=self.compile, no_heads=self.no_heads)
         return EngineMethod(**{**fields, **changes})
 
+    def config(self, h) -> SelfSpecConfig:
+        if self.no_heads:
+            from ..wrap import UNTRAINED_DEFAULT
+
+            return SelfSpecConfig(**UNTRAINED_DEFAULT)
+        return h.engine_config(self.drafter, self.trained, self.tree)
+
     def verify_chunk(self, h):
-        return verify_chunk(h.engine_config(self.drafter, self.trained, self.tree))
+        return verify_chunk(self.config(h))
 
     def run(self, h, batch, reference, max_new):
         if self.oracle:
@@ -210,7 +219,7 @@ class EngineMethod(Method):
         return self.run_once(h, batch, max_new)
 
     def run_once(self, h, batch, max_new, oracle_rows=None) -> Outcome:
-        config = h.engine_config(self.drafter, self.trained, self.tree)
+        config = self.config(h)
         compiled = self.compile or h.cfg.compile
         return self._run_wrapped(h, batch, max_new, config.replace(compile=compiled), oracle_rows)
 
@@ -275,6 +284,8 @@ METHODS: dict[str, Method] = {
     "oracle": EngineMethod("selfspec loop drafting the true greedy continuation (upper bound)", "oracle",
                            oracle=True),
     "selfspec-ngram": EngineMethod("selfspec, prompt-lookup n-gram drafter", "ngram"),
+    "selfspec-no-heads": EngineMethod("selfspec.wrap(model) given no heads or config: its untrained default", "ngram",
+                                      no_heads=True),
     "selfspec-hybrid": EngineMethod("selfspec, n-gram or early-exit drafter per row", "hybrid", trained=True),
     "selfspec-tree": EngineMethod("selfspec with trained heads, drafting trees", "early_exit", trained=True,
                                   tree=True),
@@ -408,7 +419,7 @@ class Harness:
     def bound_oracle(self, registry: dict, names: list[str]) -> None:
         """The oracle drafts at the longest K of any other engine method in the run, so that it bounds them all
         (a method drafting up to 7 tokens could otherwise beat an oracle held to 4)."""
-        ks = [self.engine_config(registry[n].drafter, registry[n].trained, registry[n].tree).max_draft_tokens
+        ks = [registry[n].config(self).max_draft_tokens
               for n in names if isinstance(registry[n], EngineMethod) and not registry[n].oracle]
         self.oracle_k = max(ks) if ks else None
 
@@ -616,8 +627,7 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
              "hf_early_exit_layer": h.hf_exit_layer if "hf-early-exit" in names else None,
              "hf_early_exit_tuning_tokens_per_s": {str(k): v for k, v in tuning.items()},
              "num_layers": h.num_layers, "skipped_methods": skipped,
-             "engine_settings": {n: engine_settings(h.engine_config(registry[n].drafter, registry[n].trained,
-                                                                    registry[n].tree))
+             "engine_settings": {n: engine_settings(registry[n].config(h))
                                  for n in names if isinstance(registry[n], EngineMethod)},
              "methods": {n: registry[n].description for n in names}}
     mismatches = [{"method": r.method, "category": r.category, **m} for r in records for m in r.mismatches]
