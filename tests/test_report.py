@@ -62,6 +62,14 @@ def test_a_record_with_prepacked_weights_says_so_and_its_command_still_runs():
     assert "- weights:" not in report.section("docs/results/cpu-avx2", ROOT)  # dense float32: nothing to say
 
 
+def test_a_differing_output_is_charged_to_its_method():
+    """A DIFFER names the method it happened in: in the Qwen record it is Hugging Face's prompt lookup's, and
+    selfspec's methods have none."""
+    text = report.section("docs/results/cpu-avx512-bf16-qwen2.5-coder-1.5b", ROOT)
+    assert "**1 DIFFER** (1 in hf-prompt-lookup)" in text
+    assert "none differs" in report.section("docs/results/cpu-avx512-bf16-compiled", ROOT)
+
+
 def test_bad_report_input_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "selfspec.cli", "bench", "--report", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)

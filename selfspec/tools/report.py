@@ -123,9 +123,10 @@ def exactness_words(payload: dict) -> str:
     if any(r["exact"] is None for r in overall.values()):
         return "not checked (sampling)"
     ties = sum(r["near_tie"] for r in overall.values())
-    differs = sum(r["differs"] for r in overall.values())
+    differs = {name: r["differs"] for name, r in overall.items() if r["differs"]}
+    named = ", ".join(f"{n} in {name}" for name, n in differs.items())
     return (f"{ties} output(s) part from plain `generate` at a near-tie, " +
-            ("none differs" if not differs else f"**{differs} DIFFER**"))
+            ("none differs" if not differs else f"**{sum(differs.values())} DIFFER** ({named})"))
 
 
 def section(directory: str | Path, root: Path = Path(".")) -> str:
