@@ -18,8 +18,8 @@ Every pass the engine makes once the prompt is in (a drafted token through layer
 So each (layer range, bucket, batch) compiles once, and nothing recompiles after the warm-up (tests/test_compiled.py
 counts). On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
 layout once, instead of the reorder an eager bfloat16 Linear makes at every call. Each graph keeps its own copy, so
-where the copies of every bucket would not fit in the memory available (COPIES_PER_STATIC_STEP), the passes of 2 or
-more tokens share one graph per layer range, their token count marked dynamic. On CUDA, mode="reduce-overhead"
+where the copies of every bucket would not fit in the memory available (COPIES_PER_STATIC_STEP), every pass of a
+layer range shares one graph, its token count marked dynamic and a single token padded to two rows. On CUDA, mode="reduce-overhead"
 captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a small model. An exit
 head's MLP and the LM-head rows of its draft vocabulary compile the same way. The prompt, whose length changes from
 call to call, and an attention head's own layer run eager.
@@ -144,15 +144,16 @@ def step_for(model, device: torch.device) -> CompiledStep:
             if steps[device].dynamic_tokens:
                 warnings.warn(f"selfspec: compile=True on a CPU keeps a copy of the weights per compiled pass shape; "
                               f"{COPIES_PER_STATIC_STEP} copies of this model ({weights / 1e9:.1f} GB each) do not fit "
-                              f"in the {available / 1e9:.1f} GB available, so passes of 2 or more tokens share one "
-                              f"graph per layer range (less memory, about 10 % slower).", stacklevel=2)
+                              f"in the {available / 1e9:.1f} GB available, so every pass of a layer range shares "
+                              f"one graph (about half the memory, a few per cent slower).", stacklevel=2)
     return steps[device]
 
 
 # On a CPU every compiled graph holds its own prepacked copy of the weights it runs (Inductor's freezing), so static
 # token counts cost a copy of the model per pass shape: SmolLM2-135M's 0.27 GB grew the process by 2.0 GB over
-# 19 shapes of the hybrid. Where this many copies would not fit in the memory available, passes of 2 or more
-# tokens share one graph per layer range instead (about half the memory there, and about a tenth slower).
+# 19 shapes of the hybrid. Where this many copies would not fit in the memory available, every pass of a layer range
+# shares one graph instead: one copy of the model beside the eager weights. SmolLM2's hybrid then holds 1.3 GB instead
+# of 2.7 GB and runs 3-8 % slower; Qwen2.5-Coder-1.5B's holds 7.1 GB (3.6 GB of weights).
 COPIES_PER_STATIC_STEP = 8
 
 
@@ -200,7 +201,7 @@ class CompiledStep:
         self._announced = False
         self.recompiles = 0  # passes of a shape compiled before that compiled again (none expected)
         self.buckets = BUCKETS
-        self.dynamic_tokens = False  # CPU only: one graph for passes of 2+ tokens where memory is short (step_for)
+        self.dynamic_tokens = False  # CPU only: one graph per layer range where memory is short (step_for)
 
     def size(self, tokens: int) -> tuple[int | None, int | str]:
         """(rows a pass of `tokens` tokens runs, its shape's key): the bucket, padded to; with dynamic_tokens the
