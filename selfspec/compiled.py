@@ -19,10 +19,10 @@ So each (layer range, bucket, batch) compiles once, and nothing recompiles after
 counts). On a CPU, Inductor's freezing folds the weights in as constants and prepacks them into oneDNN's blocked
 layout once, instead of the reorder an eager bfloat16 Linear makes at every call. Each graph keeps its own copy, so
 where the copies of every bucket would not fit in the memory available (COPIES_PER_STATIC_STEP), every pass of a
-layer range shares one graph, its token count marked dynamic and a single token padded to two rows. On CUDA, mode="reduce-overhead"
-captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a small model. An exit
-head's MLP and the LM-head rows of its draft vocabulary compile the same way. The prompt, whose length changes from
-call to call, and an attention head's own layer run eager.
+layer range shares one graph, its token count marked dynamic and a single token padded to two rows. On CUDA,
+mode="reduce-overhead" captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a
+small model. An exit head's MLP and the LM-head rows of its draft vocabulary compile the same way. The prompt, whose
+length changes from call to call, and an attention head's own layer run eager.
 
 The compiled graphs hold the weights as they were when compiled (freezing folds them in as constants): a model
 whose weights change afterwards gets `model.selfspec.reset_compiled()`.
@@ -290,11 +290,9 @@ class CompiledStep:
         else:  # CUDA graphs replay fixed addresses: the buffers they write in place must be marked as such
             for buffer in (*keys, *values):
                 torch._dynamo.mark_static_address(buffer)
-        pad = tb - t
-        if pad:
-            hidden = torch.cat([hidden, hidden.new_zeros(b, pad, hidden.shape[-1])], dim=1)
-            positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
-        hidden, positions = _dense(hidden), _dense(positions)
+        if tb > t:  # a padding row sits at the last real position (its mask lets it see only its own slot)
+            positions = torch.cat([positions, positions[:, -1:].expand(b, tb - t)], dim=1)
+        hidden, positions = _padded(hidden, tb), _dense(positions)
         slots = torch.arange(q_start, q_start + tb, device=hidden.device)
         self._mark_tokens((hidden, 1), (positions, 1), (slots, 0), *((mask, 2) for mask in masks.values()))
         out = self._call(self._fns["layer_range"], ("layers", start, stop, b, key), adapter, start, stop, hidden,
