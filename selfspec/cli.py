@@ -76,6 +76,24 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"selfspec {name}: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        # an interrupt that lands inside a library's own bookkeeping (Optuna's, while it records a trial) can
+        # surface as another error raised while handling it: still an interrupt, and the run still resumes
+        if debug or not interrupted(err):
+            raise
+        print(f"selfspec {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+def interrupted(err: BaseException) -> bool:
+    """Whether `err` was raised while a KeyboardInterrupt (Ctrl-C, or a SIGTERM taken as one) was handled."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__context__
+    return False
 
 
 if __name__ == "__main__":

@@ -130,7 +130,11 @@ class SelfSpecConfig:
                              f"lookup-first, lookup-then-head, lookup-when-unsure or lookup-when-copying (each adds "
                              f"one rule to the one before; drafters/hybrid.py) and drop them.")
         if unknown:
-            raise ValueError(f"Unknown SelfSpecConfig fields {sorted(unknown)}; known fields: {sorted(known)}.")
+            raise ValueError(f"Unknown SelfSpecConfig fields {sorted(unknown)}. Fix: remove or rename them; the known "
+                             f"fields are {sorted(known)}.")
+        problem = _type_problem(data)
+        if problem:
+            raise ValueError(problem)
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def save(self, directory: str, extra: dict | None = None) -> str:
@@ -143,8 +147,13 @@ class SelfSpecConfig:
 
     @classmethod
     def load(cls, path: str) -> "SelfSpecConfig":
-        """Load from a directory holding `selfspec_config.json` or from the JSON file itself."""
-        return cls.from_dict(read_config_json(path))
+        """Load from a directory holding `selfspec_config.json` or from the JSON file itself; a field the file
+        gets wrong is refused naming the file."""
+        data = read_config_json(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{config_file(path)}: {err}") from err
 
     def replace(self, **overrides) -> "SelfSpecConfig":
         return dataclasses.replace(self, **overrides)
@@ -157,9 +166,58 @@ def registered_drafters() -> tuple:
     return tuple(dict.fromkeys([*DRAFTERS, *DRAFTER_FACTORIES]))
 
 
+# The JSON values each field's annotation takes, and their name in a message. A bool is no number here: a JSON true
+# where an integer belongs is a mistake, though Python counts it as 1.
+_JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "dict": "an object"}
+# What save_pretrained writes beside the fields, which loading the heads reads.
+_SAVED_TYPES = {"base_model": ((dict,), "an object"), "base_model_path": ((str, type(None)), "a string or null"),
+                "selfspec_version": ((str,), "a string"), "heads": ((list,), "a list of head specs")}
+CONFIG_FIX = ("Fix: copy it again from where it was written, or write it again with "
+              "model.selfspec.save_pretrained(DIR).")
+
+
+def _type_problem(data: dict) -> str | None:
+    """The first value of a config (its fields, its sampling fields, what save_pretrained adds) whose JSON type is
+    not the one it takes, as a message with the fix; None if there is none. A value of the right type but out of
+    range is `validate`'s to refuse."""
+    sampling = data["sampling"] if isinstance(data.get("sampling"), dict) else {}
+    for prefix, values in (("", data), ("sampling.", sampling)):
+        for f in dataclasses.fields(SelfSpecConfig):
+            value = values.get(f.name)
+            if f.name in values and (not isinstance(value, _JSON_TYPES[f.type])
+                                     or isinstance(value, bool) and f.type != "bool"):
+                return (f"{prefix}{f.name} is {value!r}, which is not {_TYPE_NAMES[f.type]}. "
+                        f"Fix: set {prefix}{f.name} to {_TYPE_NAMES[f.type]}.")
+    for key, (types, name) in _SAVED_TYPES.items():
+        if key in data and not isinstance(data[key], types):
+            return f"{key} is {data[key]!r}, which is not {name}. {CONFIG_FIX}"
+    bad = [h for h in data.get("heads") or [] if not isinstance(h, dict) or type(h.get("exit_layer")) is not int]
+    if bad:
+        return f"heads holds {bad[0]!r}, which is not a head spec (an object with an integer exit_layer). {CONFIG_FIX}"
+    return None
+
+
+def config_file(path: str) -> str:
+    """The config file a path means: `selfspec_config.json` in a directory, else the path itself."""
+    return os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else path
+
+
 def read_config_json(path: str) -> dict:
-    file = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else path
+    """The JSON object of a config file (`config_file(path)`); a file that is missing, is not JSON or holds no
+    object is refused naming it."""
+    file = config_file(path)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"No selfspec config at {file!r} (expected a directory with {CONFIG_NAME}).")
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}:{err.lineno}: not JSON ({err.msg} at column {err.colno}). {CONFIG_FIX}") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file} is not text ({err.reason} at byte {err.start}). {CONFIG_FIX}") from err
+    if not isinstance(data, dict):
+        kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+        raise ValueError(f"{file} holds a JSON {kind}, not an object of selfspec settings. {CONFIG_FIX}")
+    return data

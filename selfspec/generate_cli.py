@@ -102,8 +102,9 @@ def prompt_ids(tok, text: str, chat: bool | None):
     if chat is None:
         chat = has_template
     if chat:
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)["input_ids"]
+        from .prompts import chat_input_ids
+
+        return chat_input_ids(tok, text)
     return tok(text, return_tensors="pt")["input_ids"]
 
 

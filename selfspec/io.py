@@ -7,9 +7,10 @@ import json
 import os
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import SelfSpecConfig, read_config_json
+from .config import CONFIG_NAME, SelfSpecConfig, read_config_json
 from .heads import ExitHead, build_head, dense_rows
 
 HEADS_FILE = "heads.safetensors"
@@ -177,18 +178,46 @@ def load_heads(directory: str, adapter) -> list[ExitHead]:
     weighted = [s for s in specs if s.get("kind", "norm") != "norm" or s.get("draft_vocab_size")]
     if weighted and not os.path.isfile(path):
         raise FileNotFoundError(f"{directory!r} lists {len(weighted)} heads with weights but has no {HEADS_FILE}.")
-    tensors = load_file(path) if os.path.isfile(path) else {}
+    tensors = _read_heads_file(path) if os.path.isfile(path) else {}
     heads = []
     for spec in specs:
         head = build_head(spec, adapter)
         prefix = f"layer{spec['exit_layer']}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        head.load_state_dict(state, strict=True, assign=True)  # keep the saved dtype (fp32 or bf16)
+        _load_state(head, state, spec, path)
         floats = [v.dtype for v in state.values() if v.is_floating_point()]
         # the engine computes in the LM head's dtype; saving again writes the weights as they came (bf16 stays small)
         head.stored_dtype = floats[0] if floats else None
         heads.append(head)
     return heads
+
+
+HEADS_FIX = (f"Fix: copy {HEADS_FILE} again from the directory that wrote it beside this {CONFIG_NAME}, or train "
+             "the heads again (selfspec prepare).")
+
+
+def _read_heads_file(path: str) -> dict:
+    """The tensors of a heads file; one that safetensors cannot read (cut short, or not safetensors) is refused
+    naming it, as safetensors' own error is no ValueError and names no file."""
+    try:
+        return load_file(path)
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({' '.join(str(err).split())}); it is cut short "
+                         f"or damaged. {HEADS_FIX}") from err
+
+
+def _load_state(head: ExitHead, state: dict, spec: dict, path: str) -> None:
+    """Give a head its tensors from the heads file at `path`, in their saved dtype (fp32 or bf16). Tensors missing,
+    unexpected or of another shape mean the file belongs to something else: refused naming it."""
+    try:
+        head.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        prefix = f"layer{spec['exit_layer']}."
+        missing = sorted(set(head.state_dict()) - set(state))
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        found = f"no tensor {prefix}{missing[0]}{more}" if missing else " ".join(str(err).split("\n", 1)[-1].split())
+        raise ValueError(f"{path} does not hold the weights of the exit-layer-{spec['exit_layer']} "
+                         f"{spec.get('kind', 'norm')} head that {CONFIG_NAME} lists ({found}). {HEADS_FIX}") from err
 
 
 def _base_path(model) -> str | None:

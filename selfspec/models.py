@@ -36,6 +36,8 @@ from typing import Callable
 
 import torch
 
+from . import chat
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -197,9 +199,13 @@ def _unknown_model_message(name: str) -> str:
             "or a Hugging Face hub id owner/name.")
 
 
+# Endings of the weight files from_pretrained loads from a local model directory (whole or sharded).
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
 def locate_model(name_or_path: str | os.PathLike) -> str:
     """Where `resolve_model` will load from: "known" (a short name from `known_model_names`), "local" (a
-    directory holding config.json) or "hub" (an owner/name id).
+    directory holding config.json and weights) or "hub" (an owner/name id).
 
     Decided without the network, so that a typo fails at once with one line naming the known short names
     instead of waiting on hub retries: a name that is neither known nor an existing directory must look like
@@ -215,6 +221,10 @@ def locate_model(name_or_path: str | os.PathLike) -> str:
             raise FileNotFoundError(
                 f"{name!r} is a directory but not a Hugging Face model directory (it has no config.json): pass the "
                 f"directory model.save_pretrained wrote, or a known short name ({known}).")
+        if not any(f.name.endswith(WEIGHT_SUFFIXES) for f in path.iterdir()):
+            raise FileNotFoundError(
+                f"{name!r} holds config.json but no weights (no *.safetensors or *.bin file). Fix: copy the model's "
+                f"weight files into it, or save the model there again with model.save_pretrained({name!r}).")
         return "local"
     if path.exists():
         raise ValueError(f"{name!r} is a file: pass the model's directory (the one holding config.json).")
@@ -350,21 +360,12 @@ def _verify_conversion(src, src_tok, out_dir: Path) -> None:
 
     new_tok = AutoTokenizer.from_pretrained(out_dir)
     sample = [{"role": "user", "content": "Hello! 12 + 30 = ?"}]
-    ids_src = src_tok.apply_chat_template(sample, add_generation_prompt=True, tokenize=True)
-    ids_new = new_tok.apply_chat_template(sample, add_generation_prompt=True, tokenize=True)
-    ids_src = _as_ids(ids_src)
-    if ids_src != _as_ids(ids_new):
+    ids_src, ids_new = chat.encode(src_tok, sample), chat.encode(new_tok, sample)
+    if ids_src != ids_new:
         raise RuntimeError("Converted tokenizer tokenizes differently from the GGUF one")
     x = torch.tensor([ids_src])
     if not torch.equal(src(x).logits, new(x).logits):
         raise RuntimeError("Converted model's logits differ from the GGUF model's")
-
-
-def _as_ids(out) -> list[int]:
-    # apply_chat_template returns a list or a BatchEncoding depending on the version.
-    if hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    return list(out)
 
 
 # ---------------------------------------------------------------------------

@@ -55,14 +55,44 @@ def load_prompts(path: str | Path | None = None, split: str = "eval", categories
     return prompts
 
 
+def utf8_text(raw: bytes, name) -> str:
+    """The text of a file's bytes; bytes that are not UTF-8 are refused naming the file (a ValueError: the CLI's
+    one line)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{name} is not UTF-8 text (byte {err.start}: {err.reason}). Fix: save it as UTF-8.") from None
+
+
+def read_text(path: Path) -> str:
+    return utf8_text(Path(path).read_bytes(), path)
+
+
+def jsonl_rows(text: str, name: str, fix: str):
+    """(line number, decoded value) for each non-blank line of a JSONL file's text; a line that is not JSON raises
+    ValueError naming `name`:line and ending with `fix`, the one sentence that says what the line should hold."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name}:{n}: not JSON ({err.msg} at column {err.colno}). Fix: {fix}") from None
+
+
+PROMPT_LINE = 'make each line one JSON object with a non-empty "turns" list of strings, {"turns": ["Hi"]}.'
+
+
 def _read(source: Path) -> list[Prompt]:
-    lines = [line for line in source.read_text().splitlines() if line.strip()]
+    text = read_text(source)
+    lines = [line for line in text.splitlines() if line.strip()]
     if source.suffix == ".jsonl" or (lines and lines[0].lstrip().startswith("{")):
         out = []
-        for n, line in enumerate(lines, 1):
-            row = json.loads(line)
-            if not row.get("turns"):
-                raise ValueError(f"{source}:{n}: expected a JSON object with a non-empty 'turns' list.")
+        for n, row in jsonl_rows(text, str(source), PROMPT_LINE):
+            turns = row.get("turns") if isinstance(row, dict) else None
+            if not turns or not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f"{source}:{n}: expected a JSON object with a non-empty 'turns' list of strings. "
+                                 f"Fix: {PROMPT_LINE}")
             out.append(Prompt(row["turns"][0], row.get("category", "custom"), row.get("question_id"),
                               tuple(row["turns"])))
         return out
@@ -70,17 +100,18 @@ def _read(source: Path) -> list[Prompt]:
 
 
 def chat_input_ids(tokenizer, text: str):
-    """(1, T) ids of one user turn with the tokenizer's chat template (plain text if it has none)."""
+    """(1, T) ids of one user turn, rendered by selfspec.chat (the chat template, or plain dialogue without one)."""
     return conversation_ids(tokenizer, [{"role": "user", "content": text}])
 
 
 def conversation_ids(tokenizer, messages: list[dict]):
-    """(1, T) ids of a conversation ending with a user turn ({"role", "content"} dicts), with the tokenizer's chat
-    template and a generation prompt (without a template: the turns' texts joined by blank lines)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"]
-    return tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
+    """(1, T) ids of a conversation ending with a user turn ({"role", "content"} dicts) and the answer's header,
+    rendered by selfspec.chat."""
+    import torch
+
+    from .chat import encode
+
+    return torch.tensor([encode(tokenizer, messages)], dtype=torch.long)
 
 
 def left_pad(rows: list[list[int]], pad_id: int):

@@ -13,6 +13,7 @@ import transformers as tf
 import selfspec
 from conftest import make_model, padded_batch, prompt
 from selfspec.drafters.oracle import OracleDrafter
+from selfspec.signals import sigterm_as_interrupt
 from selfspec.tools import bench, measure
 
 EOS = 2
@@ -152,7 +153,7 @@ class Terminating(bench.HFMethod):
 
 def test_a_run_stopped_by_sigterm_reports_the_prompts_every_method_finished(model, tmp_path):
     registry = {**bench.METHODS, "stopper": Terminating(at="rag-10")}
-    with bench.sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         res = _run(model, registry, methods=("hf-greedy", "selfspec-untrained", "stopper"))
     assert res.stopped == "stopped by an interrupt after 2 of 4 batches"
     # the third batch's finished runs are dropped with it: each method counts on the same prompts
@@ -164,7 +165,7 @@ def test_a_run_stopped_by_sigterm_reports_the_prompts_every_method_finished(mode
     assert json.loads(paths["json"].read_text())["stopped"] == res.stopped
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
     # stopped before any batch is done: nothing to report, the interrupt goes on
-    with pytest.raises(KeyboardInterrupt), bench.sigterm_as_interrupt():
+    with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
         _run(model, {**bench.METHODS, "stopper": Terminating(at="qa-0")}, methods=("hf-greedy", "stopper"))
 
 

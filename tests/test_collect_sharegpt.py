@@ -452,7 +452,7 @@ def test_plain_texts_on_a_base_model_without_a_chat_template(setup, tmp_path):
 @pytest.mark.parametrize("content,message", [
     ("plain words\n", "neither a ShareGPT json array nor JSONL"),
     ('{"prompt": "x"}\n', 'has neither "messages"'),
-    ('{"text": "ok"}\n{broken\n', "line 2 is not JSON"),
+    ('{"text": "ok"}\n{broken\n', "data.jsonl:2: not JSON"),
 ])
 def test_a_data_file_in_neither_format_is_one_line(tmp_path, content, message):
     path = tmp_path / "data.jsonl"
@@ -491,7 +491,10 @@ def test_train_heads_resumes_from_a_safetensors_checkpoint(setup, monkeypatch, c
     budget = setup["root"] / "heads-budget"
     argv[argv.index(str(out))] = str(budget)
     assert train_heads.main(argv + ["--time-budget", "0.001", "--steps", "500"]) == 0
-    assert f"{train_heads.PROBE_STEPS} steps (" in capsys.readouterr().out  # the budget left no room past the probe
+    assert "training ends at step 1" in capsys.readouterr().out  # a spent budget stops at the first step's end
+    probe = argv + ["--time-budget", "3600", "--steps", "500", "--out-dir", str(budget) + "-probe"]
+    assert train_heads.main(probe) == 0
+    assert "time budget 3600 s: 500 steps (" in capsys.readouterr().out  # the probe plans what fits, at most --steps
 
 
 def test_sampling_agreement_is_the_acceptance_of_rejection_sampling(setup):

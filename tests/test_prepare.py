@@ -4,15 +4,20 @@ interrupted run resumes where it stopped, and bad input is one line."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
 
-from selfspec.training import prepare, train_heads
+from selfspec.training import prepare
 from tiny_tokenizer import tiny_tokenizer
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "in", "her", "tree", "river", "code", "fast", "x", "1", "2"]
@@ -97,31 +102,84 @@ def test_prepare_writes_heads_a_config_and_a_report(tmp_path, family, capsys):
     greedy_matches_plain(out, path)
 
 
-def test_an_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
-    """Stopped inside training (after its first checkpoint), the same command skips collection, resumes training
-    from the checkpoint and finishes; a budget's split is planned and written down."""
-    path = model_dir(tmp_path, "llama")
+def run_and_stop(argv: list[str], cwd: Path, stop_when, timeout: float = 300) -> tuple[int, str]:
+    """`selfspec prepare ARGV` in a process of its own, sent one SIGTERM as soon as `stop_when(output so far)` is
+    true (polled every 20 ms; None: never); its exit status and everything it printed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # unbuffered: each line as printed
+    proc = subprocess.Popen([sys.executable, "-m", "selfspec.cli", "prepare", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b"")), daemon=True)
+    reader.start()
+    deadline, sent = time.monotonic() + timeout, False
+    while proc.poll() is None and time.monotonic() < deadline:
+        if not sent and stop_when is not None and stop_when(b"".join(chunks).decode(errors="replace")):
+            proc.send_signal(signal.SIGTERM)
+            sent = True
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+    reader.join(timeout=10)
+    text = b"".join(chunks).decode(errors="replace")
+    assert stop_when is None or sent, f"the run ended before it could be stopped:\n{text[-3000:]}"
+    return proc.wait(), text
+
+
+@pytest.mark.slow  # six runs of the whole command
+def test_a_base_model_resumes_after_a_sigterm_in_every_stage(tmp_path):
+    """A base model (no chat template) on ShareGPT-style chats, its teacher-forced and on-policy collection both
+    rendered as plain dialogue, stopped by SIGTERM inside each stage in turn: every rerun of the same command keeps
+    what the stopped one finished (shards, the training checkpoint, copy heads, measured trials) and the last one
+    leaves heads that decode exactly as plain generate does."""
+    path = model_dir(tmp_path, "llama", chat_template=False)
     out = tmp_path / "out"
-    argv = [str(path), "--output", str(out), "--data", str(write_chats(tmp_path / "chats.jsonl")), *FAST]
-    real, calls = train_heads.unrolled_loss, []
+    argv = [str(path), "--output", str(out), "--data", str(write_chats(tmp_path / "chats.jsonl", 1000)),
+            "--collect-tokens", "10000000", "--steps", "400", "--trials", "3", "--calibration-prompts", "2",
+            "--eval-prompts", "1", "--max-new-tokens", "24", "--threads", "1", "--dtype", "float32"]
+    data, heads = out / "data", out / "heads"
 
-    def stop_in_step_5(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2 * 5:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+    def state():
+        return json.loads((out / "prepare.json").read_text())["stages"]
 
-    monkeypatch.setattr(train_heads, "unrolled_loss", stop_in_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        prepare.main(argv)
-    state = json.loads((out / "prepare.json").read_text())
-    assert state["stages"]["collect"]["done"] and "train" not in state["stages"]
-    monkeypatch.setattr(train_heads, "unrolled_loss", real)
-    capsys.readouterr()
-    assert prepare.main(argv) == 0
-    said = capsys.readouterr().out
-    assert "prepare: collect is done, skipped" in said and "resumed at step 3 of 12" in said
+    def stopped_in(stage):
+        code, text = run_and_stop(argv, tmp_path, stops[stage])
+        assert code == 130 and "selfspec prepare: interrupted" in text, text[-3000:]
+        assert not state()[stage].get("done") and state()[stage]["seconds"] > 0
+        return text
+
+    stops = {"collect": lambda text: "tf-00001:" in text,
+             "train": lambda text: (heads / "checkpoint.safetensors").is_file(),
+             "copy": lambda text: "1" in state().get("copy", {}).get("agreement_with_candidate", {}),
+             # a trial's line is printed as it ends: after the second, the first is stored
+             "calibrate": lambda text: len(re.findall(r"trial +\d+ .*tok/s", text)) >= 2,
+             "report": lambda text: "bench:" in text}
+    stopped_in("collect")
+    first = {p.name: p.stat().st_mtime_ns for p in data.glob("tf-*.safetensors")}
+    assert first
+    text = stopped_in("train")
+    assert "has no chat template: chats are rendered as plain dialogue" in text and list(data.glob("op-*"))
+    assert all(data.joinpath(n).stat().st_mtime_ns == t for n, t in first.items())  # stored shards are kept
+    text = stopped_in("copy")
+    assert "resumed at step 100 of 400" in text
+    copied = (out / "copy-1" / "train_copy.json").stat().st_mtime_ns
+    stopped_in("calibrate")
+    trials = len(optuna_trials(out))
+    assert trials >= 1 and (out / "copy-1" / "train_copy.json").stat().st_mtime_ns == copied
+    stopped_in("report")
+    assert len(optuna_trials(out)) >= trials + 3  # the stopped run's trials stay in the study
+    code, text = run_and_stop(argv, tmp_path, None)
+    assert code == 0, text[-3000:]
+    assert all(state()[s]["done"] for s in prepare.STAGES)
     greedy_matches_plain(out, path)
+
+
+def optuna_trials(out: Path) -> list:
+    import optuna
+
+    storage = f"sqlite:///{out / 'study.db'}"
+    (name,) = optuna.get_all_study_names(storage)
+    return [t for t in optuna.load_study(study_name=name, storage=storage).trials
+            if t.state == optuna.trial.TrialState.COMPLETE]
 
 
 def test_a_base_model_without_a_chat_template_trains_on_plain_text(tmp_path):
@@ -133,6 +191,12 @@ def test_a_base_model_without_a_chat_template_trains_on_plain_text(tmp_path):
     out = tmp_path / "out"
     assert prepare.main([str(path), "--output", str(out), "--data", str(data), *FAST]) == 0
     assert json.loads((out / "prepare.json").read_text())["stages"]["report"]["bench"]
+
+
+def test_help_shows_every_flag(capsys):
+    with pytest.raises(SystemExit) as stop:
+        prepare.parse_args(["--help"])
+    assert stop.value.code == 0 and "collect 45%, train 25%" in capsys.readouterr().out
 
 
 def test_budget_split_and_exit_layers():

@@ -22,9 +22,7 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,8 +30,10 @@ from typing import Callable
 
 import torch
 
+from ..chat import user_turn
 from ..config import SelfSpecConfig
-from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, chat_input_ids, left_pad, load_prompts
+from ..prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, Prompt, left_pad, load_prompts
+from ..signals import sigterm_as_interrupt
 from .measure import eos_ids_of, loadavg, machine_info, sampling_kwargs, step_speedups, timed, versions
 from .report import add_arguments as add_report_arguments
 from .report import main_report, markdown_table
@@ -72,6 +72,7 @@ class BenchConfig:
     chat_template: bool = True
     output: str | None = None
     strict: bool = False
+    time_budget: float | None = None  # seconds for the command: a batch that would end past them is not started
 
 
 # --- prompts --------------------------------------------------------------------------------------------------
@@ -95,9 +96,9 @@ class Workload:
 
 
 def encode(tokenizer, prompt: Prompt, chat_template: bool) -> list[int]:
-    if chat_template:
-        return chat_input_ids(tokenizer, prompt.text)[0].tolist()
-    return tokenizer(prompt.text)["input_ids"]
+    """A prompt as one user turn (selfspec.chat): in the chat template where the tokenizer has one, as plain
+    dialogue without one or with --no-chat-template."""
+    return user_turn(tokenizer, prompt.text, None if chat_template else False)
 
 
 def make_batches(tokenizer, prompts: list[Prompt], batch_size: int, chat_template: bool = True) -> list[Batch]:
@@ -586,11 +587,13 @@ class BenchResult:
     mismatches: list[dict]
     wall_seconds: float
     stopped: str | None = None  # why the run ended before its last prompt; its tables cover the prompts done
+    interrupted: bool = False  # stopped by a signal (not by its time budget)
 
 
 def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids: list[int],
-              registry: dict[str, Method] | None = None) -> BenchResult:
-    """Warm up, tune hf-early-exit's E on the tuning prompts, then run every method on every batch."""
+              registry: dict[str, Method] | None = None, deadline: float | None = None) -> BenchResult:
+    """Warm up, tune hf-early-exit's E on the tuning prompts, then run every method on every batch; with a
+    `deadline` (time.monotonic), a batch that would end past it at the pace of those before is not started."""
     from tqdm import tqdm
 
     registry = METHODS if registry is None else registry
@@ -612,8 +615,13 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
             bar.set_postfix_str(f"{record.category}/{record.method}")
             bar.update(1)
 
-        stopped = None
+        stopped, interrupted, t_batches = None, False, time.monotonic()
         for i, batch in enumerate(workload.batches):
+            if deadline is not None and i and time.monotonic() + (time.monotonic() - t_batches) / i > deadline:
+                stopped = f"stopped by its time budget after {i} of {len(workload.batches)} batches"
+                bar.total = bar.n  # the bar ends where the run does
+                bar.refresh()
+                break
             try:
                 records += run_batch(h, registry, names, batch, cfg.max_new_tokens, i, done)
             except KeyboardInterrupt:
@@ -621,6 +629,7 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
                     raise  # nothing measured yet: nothing to report
                 # a batch's runs count only together (each method on the same prompts), so the one cut off goes
                 stopped = f"stopped by an interrupt after {i} of {len(workload.batches)} batches"
+                interrupted = True
                 break
     categories = list(dict.fromkeys(r.category for r in records))
     setup = {"selfspec_config": h.base_config.to_dict(), "heads": sorted(h.heads), "heads_source": h.heads_source,
@@ -632,7 +641,7 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
              "methods": {n: registry[n].description for n in names}}
     mismatches = [{"method": r.method, "category": r.category, **m} for r in records for m in r.mismatches]
     return BenchResult(names, records, summarize(records, names, categories), setup, mismatches,
-                       time.perf_counter() - start, stopped)
+                       time.perf_counter() - start, stopped, interrupted)
 
 
 def engine_settings(config: SelfSpecConfig) -> str:
@@ -861,7 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every selfspec method runs compiled (selfspec/compiled.py), its compile time left out of its "
                         "time; the -compiled methods do so one by one")
     p.add_argument("--no-chat-template", action="store_true",
-                   help="feed the raw question text instead of the chat template%(default).0s")
+                   help="render prompts as plain dialogue (User: / Assistant:) even where the tokenizer has a chat "
+                        "template; without one they are rendered so anyway%(default).0s")
     p.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens,
                    help="tokens each method generates once, untimed, before the timed runs")
     p.add_argument("--tune-tokens", type=int, default=d.tune_tokens, help="tokens per prompt when choosing E")
@@ -870,6 +880,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="exit with status 1 when an output differs from hf-greedy's other than at a near-tie "
                         "(a bug)%(default).0s")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for the whole command: a batch of prompts that would end past them is not started, "
+                        "and the report says how many ran%(default).0s")
     add_report_arguments(p)
     return p
 
@@ -878,7 +891,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
                              ("--limit", args.limit, 1), ("--prompt-lookup-tokens", args.prompt_lookup_tokens, 1),
                              ("--threads", args.threads, 1), ("--warmup-tokens", args.warmup_tokens, 1),
-                             ("--tune-tokens", args.tune_tokens, 1)):
+                             ("--tune-tokens", args.tune_tokens, 1), ("--time-budget", args.time_budget, 1)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}.")
     if args.temperature <= 0:
@@ -899,25 +912,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf_exit_layers=hf_exits, prompt_lookup_tokens=args.prompt_lookup_tokens, sample=args.sample,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_tokens=args.warmup_tokens,
         tune_tokens=args.tune_tokens, dtype=args.dtype, device=args.device, threads=args.threads,
-        compile=args.compile, chat_template=not args.no_chat_template, output=args.output, strict=args.strict)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """`timeout` and job schedulers stop a run with SIGTERM: taken as an interrupt, the prompts every method
-    finished are still written (a signal handler can only be set from the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        compile=args.compile, chat_template=not args.no_chat_template, output=args.output, strict=args.strict,
+        time_budget=args.time_budget)
 
 
 def default_output(cfg: BenchConfig) -> Path:
@@ -925,6 +921,7 @@ def default_output(cfg: BenchConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # --time-budget counts from here
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.report or args.update:
@@ -937,30 +934,31 @@ def main(argv: list[str] | None = None) -> int:
         from ..models import resolve_model
 
         model, tokenizer = resolve_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-        if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{cfg.model}'s tokenizer has no chat template; pass --no-chat-template.")
         workload = build_workload(tokenizer, cfg)
         select_methods(cfg, METHODS)
         load_selfspec_setup(model, cfg)  # bad --heads / --exit-layer fail here, before any prompt runs
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"selfspec bench: error: {err}", file=sys.stderr)
         return 2
+    deadline = started + cfg.time_budget if cfg.time_budget else None
     if not args.greedy_and_sampled:
-        return run_and_write(model, tokenizer, workload, cfg, argv, cfg.output or default_output(cfg))
+        return run_and_write(model, tokenizer, workload, cfg, argv, cfg.output or default_output(cfg), deadline)
     root = cfg.output or default_output(cfg)
     codes = [run_and_write(model, tokenizer, workload, replace(cfg, sample=sample), argv, os.path.join(root, mode))
              for sample, mode in ((False, "greedy"), (True, "sampled"))]
     return max(codes)
 
 
-def run_and_write(model, tokenizer, workload, cfg: BenchConfig, argv: list[str], output: str) -> int:
+def run_and_write(model, tokenizer, workload, cfg: BenchConfig, argv: list[str], output: str,
+                  deadline: float | None = None) -> int:
     """One bench run over the workload in cfg's decoding mode, its outputs written to `output`; the exit code."""
     from ..models import dtype_name
 
     device = next(model.parameters()).device
     loadavg_start = loadavg()
     with sigterm_as_interrupt():
-        result = run_bench(model, workload, cfg, tokenizer.pad_token_id, eos_ids_of(model, tokenizer))
+        result = run_bench(model, workload, cfg, tokenizer.pad_token_id, eos_ids_of(model, tokenizer),
+                           deadline=deadline)
     meta = {"command": "selfspec bench " + shlex.join(argv), "machine": {**machine_info(device),
             "loadavg_start": loadavg_start, "loadavg_end": loadavg()}, "versions": versions(),
             "model": {"name": cfg.model, "class": type(model).__name__, "dtype": dtype_name(model.dtype),
@@ -973,6 +971,7 @@ def run_and_write(model, tokenizer, workload, cfg: BenchConfig, argv: list[str],
         print(exactness_line(result), file=sys.stderr)
     if result.stopped:
         print(f"selfspec bench: {result.stopped}", file=sys.stderr)
+    if result.interrupted:
         return 130  # the shell's code for a run stopped by an interrupt
     differs = any(m["verdict"] == DIFFERS for m in result.mismatches)
     return 1 if (cfg.strict and differs) else 0

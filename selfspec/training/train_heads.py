@@ -49,7 +49,7 @@ class TrainConfig:
     ce_weight: float = 0.3  # weight of cross-entropy on the teacher's top-1 next to the KL term
     holdout_fraction: float = 0.1  # sequences kept out of training to measure agreement
     eval_every: int = 200  # steps between held-out agreement measurements
-    checkpoint_every: int = 200  # steps between resumable checkpoints
+    checkpoint_every: int = 200  # steps between resumable checkpoints (and at least every CHECKPOINT_SECONDS)
     default_exit_layer: int | None = None  # exit layer written as the config's default; None = best agreement
     max_draft_tokens: int = 4  # written into the saved config (calibrate refines it)
     seed: int = 0
@@ -57,8 +57,9 @@ class TrainConfig:
     dtype: str = "float32"  # head training dtype: float32 on CPU, bfloat16 on a GPU
     save_dtype: str = "bfloat16"  # dtype of the saved head weights (bf16 halves the checkpoint; loading upcasts)
     threads: int | None = None  # torch intra-op threads on CPU
-    # seconds for the whole run (0: no limit): the first PROBE_STEPS steps are timed and `steps` becomes what fits
-    # (at least that many); a resumed run keeps the steps its checkpoint planned
+    # seconds for the whole run, loading and saving included (0: no limit): the first PROBE_STEPS steps of this run
+    # are timed and `steps` becomes what fits (at least that many, at most what a resumed checkpoint planned); the
+    # run stops at the step that reaches the deadline in any case
     time_budget: float = 0.0
 
 
@@ -86,7 +87,8 @@ OPTION_HELP = {
     "ce_weight": "weight of cross-entropy on the teacher's top-1 next to the KL term",
     "holdout_fraction": "fraction of sequences kept out of training to measure agreement",
     "eval_every": "steps between held-out agreement measurements",
-    "time_budget": "seconds for the run: steps become what fits after a few timed ones (0: --steps as given)",
+    "time_budget": "seconds for the whole run, loading and saving included: steps become what fits after a few "
+                   "timed ones (0: --steps as given)",
     "checkpoint_every": "steps between resumable checkpoints",
     "default_exit_layer": "exit layer written as the saved config's default (default: the best agreement)",
     "max_draft_tokens": "draft length K written into the saved config (selfspec calibrate refines it)",
@@ -212,6 +214,8 @@ def held_out_sequences(n_seqs: int, fraction: float, seed: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------
 PROBE_STEPS = 10  # steps timed before a time budget sets the total
+# a checkpoint at least this often as well, so that a stop loses minutes, not hours, where steps are slow
+CHECKPOINT_SECONDS = 60.0
 
 
 def steps_within(budget: float, spent: float, done: int, per_step: float, most: int) -> int:
@@ -417,6 +421,7 @@ def refuse_tensor_parallel(model=None) -> None:
 
 
 def main(argv=None) -> int:
+    started = time.time()  # --time-budget counts from here
     cfg = load_config(argv)
     refuse_tensor_parallel()
     if cfg.threads:
@@ -472,7 +477,10 @@ def main(argv=None) -> int:
         measure = lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter)  # noqa: E731
     else:
         raise ValueError(f"train.head must be 'mlp' or 'attn', got {cfg.head!r}.")
+    t_measure = time.time()
     baseline = {e: agreement(ExitHead(e, vocab_ids), held_rows, f"hidden.{e}", adapter) for e in cfg.exit_layers}
+    # what the end costs (held-out and sampled agreement, saving) is kept out of the steps' share of a budget
+    reserve = 3 * (time.time() - t_measure) + 2.0
     print("untrained exit agreement:", {e: round(a, 4) for e, a in baseline.items()})
     params = [p for h in heads.values() for p in h.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -483,13 +491,15 @@ def main(argv=None) -> int:
     if resuming:
         start, cfg.steps = load_checkpoint(ckpt, heads, opt, cfg.device)
         print(f"resumed at step {start} of {cfg.steps}")
-    probe = cfg.time_budget > 0 and not resuming
+    probe = cfg.time_budget > 0
 
     g = torch.Generator().manual_seed(cfg.seed + start)
     starts = unroll_starts(train_rows["seq"], cfg.unroll)  # every row when unroll is 1
     history = []
     bar = tqdm(desc="train-heads", initial=start, total=cfg.steps)
     t0 = time.time()
+    deadline = started + cfg.time_budget - reserve if cfg.time_budget > 0 else float("inf")
+    saved_at = t0
     step = start
     while step < cfg.steps:
         for group in opt.param_groups:
@@ -509,18 +519,24 @@ def main(argv=None) -> int:
         opt.step()
         bar.update()
         bar.set_postfix(loss=f"{loss.item() / len(heads):.3f}")
-        if probe and step + 1 == PROBE_STEPS:  # the budget decides the total, and so the learning-rate schedule
+        if probe and step + 1 == start + PROBE_STEPS:  # the budget decides the total, and so the lr schedule
             spent = time.time() - t0
-            cfg.steps = steps_within(cfg.time_budget, spent, step + 1, spent / PROBE_STEPS, cfg.steps)
+            cfg.steps = steps_within(deadline - t0, spent, step + 1, spent / PROBE_STEPS, cfg.steps)
             cfg.warmup = min(cfg.warmup, max(1, cfg.steps // 10))
             bar.total = cfg.steps
             tqdm.write(f"time budget {cfg.time_budget:.0f} s: {cfg.steps} steps ({spent / PROBE_STEPS:.2f} s each)")
+        if time.time() > deadline and step + 1 < cfg.steps:  # evaluations ran longer than the probe foresaw
+            cfg.steps = step + 1
+            bar.total = cfg.steps
+            tqdm.write(f"time budget {cfg.time_budget:.0f} s reached: training ends at step {cfg.steps}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             agree = {e: round(measure(e, h), 4) for e, h in heads.items()}
             history.append({"step": step + 1, "loss": loss.item() / len(heads), "agreement": agree})
             tqdm.write(f"step {step + 1}: held-out top-1 agreement {agree}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+        if ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps
+                or time.time() - saved_at > CHECKPOINT_SECONDS):
             save_checkpoint(ckpt, heads, opt, step + 1, cfg.steps)
+            saved_at = time.time()
         step += 1
     bar.close()
 

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ def parse_args(argv) -> argparse.Namespace:
                                      " default: Spec-Bench's MT-bench categories (the train split)")
     p.add_argument("--trials", type=int, help="measured trials in this run (default 20 without --timeout)")
     p.add_argument("--timeout", type=float, help="search budget in seconds (setup and final re-timing extra)")
+    p.add_argument("--time-budget", type=float, help="seconds for the whole run, setup and final re-timing included: "
+                   "prompts, tokens and re-timing shrink to fit (calibrate/budget.py), the search gets the rest")
     p.add_argument("--storage", help="Optuna storage URL (default sqlite:///OUTPUT/study.db)")
     p.add_argument("--study-name", help="default: model-heads-device-dtype")
     p.add_argument("--output", help="where config, report and study go (default: --heads, else calibration/MODEL)")
@@ -84,17 +87,42 @@ def _load_model(args):
     return model, tokenizer
 
 
+def fit_to_budget(spec: SearchSpec, model, tokenizer, questions, seconds: float) -> tuple[SearchSpec, str]:
+    """`spec` with its measurement and re-timing shrunk to fit `seconds` (budget.fit), at the speed of plain
+    generate timed here on the first question; and what was cut, in words."""
+    from ...prompts import chat_input_ids
+    from .budget import fit
+    from .trials import generate_once, time_generation
+
+    ids = chat_input_ids(tokenizer, questions[0].text).to(next(model.parameters()).device)
+    generate_once(model, ids, 2, plain=True)  # first calls are slow
+    probe = time_generation(model, [ids], 16, plain=True)
+    fitted = fit(spec.measure, spec.search, seconds, 1.0 / probe.tokens_per_s, kinds=5)
+    print(f"calibrate: time budget {seconds:.0f} s at {probe.tokens_per_s:.1f} plain tok/s"
+          + (f": {fitted.cut}" if fitted.cut else ""), flush=True)
+    return dataclasses.replace(spec, measure=fitted.measure, search=fitted.strategy), fitted.cut
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # --time-budget counts from here
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise ValueError(f"--time-budget must be > 0 seconds, got {args.time_budget}.")
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = _load_spec(args)
     model, tokenizer = _load_model(args)
     questions = load_calibration_prompts(args.prompts, spec.measure.max_prompts)
+    cut, deadline = "", None
+    if args.time_budget:
+        deadline = started + args.time_budget
+        spec, cut = fit_to_budget(spec, model, tokenizer, questions, deadline - time.monotonic())
+        questions = load_calibration_prompts(args.prompts, spec.measure.max_prompts)
     prompts = encode_turns(model, tokenizer, questions, spec.measure, next(model.parameters()).device)
     output = args.output or args.heads or os.path.join("calibration", Path(str(args.model)).name)
     result = calibrate(model, prompts, spec, storage=args.storage, output=output, study_name=args.study_name,
-                       trials=args.trials, timeout=args.timeout, model_name=str(args.model))
+                       trials=args.trials, timeout=args.timeout, model_name=str(args.model), deadline=deadline,
+                       cut=cut)
     print(f"best {describe(result.report['confirmed'][0]['params'])}: {result.best_tokens_per_s:.2f} tok/s, plain "
           f"{result.plain_tokens_per_s:.2f} tok/s, x{result.speedup:.2f}; config and report in {output}"
           + (" (slower than plain: the config drafts nothing)" if result.report["drafts_nothing_instead"] else ""))

@@ -16,6 +16,7 @@ from ...config import CALIBRATION_KEY, SelfSpecConfig
 from ...wrap import wrap
 from ..measure import environment as measure_environment
 from ..measure import model_identity
+from .budget import search_timeout
 from .predictor import MODELLED_DRAFTERS, Predictor, build_predictor
 from .report import REPORT_NAME, build_report, save_result
 from .space import (EXIT_DRAFTERS, SearchSpace, SearchSpec, describe, effective_params, in_space, kind_params,
@@ -271,13 +272,20 @@ class _Budget:
 
         self.session, self.trials = session, trials
         self.started = 0
-        self.bar = tqdm(total=trials, desc="calibrate", unit="trial", file=sys.stderr, mininterval=5)
-        if timeout:
+        # a timeout alone: the bar counts the search's seconds, so that it ends where the search does
+        self.clock = time.monotonic() if trials is None and timeout else None
+        self.bar = tqdm(total=trials if self.clock is None else round(timeout), desc="calibrate",
+                        unit="trial" if self.clock is None else "s", file=sys.stderr, mininterval=5)
+        if timeout and self.clock is None:
             self.bar.set_postfix_str(f"stops within {timeout:.0f} s")
 
     def __call__(self, study, trial) -> None:
         self.started += 1
-        self.bar.update(self.session.measured_this_run - self.bar.n)
+        if self.clock is None:
+            self.bar.update(self.session.measured_this_run - self.bar.n)
+        else:
+            self.bar.update(min(round(time.monotonic() - self.clock), self.bar.total) - self.bar.n)
+            self.bar.set_postfix_str(f"{self.session.measured_this_run} trials")
         if self.spent():
             study.stop()
 
@@ -401,7 +409,8 @@ def _ensure_wrapped(model) -> None:
 
 def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None, *, storage: str | None = None,
               output: str | None = None, study_name: str | None = None, trials: int | None = None,
-              timeout: float | None = None, model_name: str | None = None, log=print) -> CalibrationResult:
+              timeout: float | None = None, model_name: str | None = None, log=print,
+              deadline: float | None = None, cut: str = "") -> CalibrationResult:
     """Search the fastest setting of `model` (wrapped or not; heads already attached) over `prompts` ((1, T) ids
     each). The space is checked before anything runs. Writes config + report into `output` when given."""
     import optuna
@@ -420,7 +429,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
             raise ValueError("calibrate needs a storage URL or an output directory for the study.")
         os.makedirs(output, exist_ok=True)
         storage = default_storage(output)
-    trials = 20 if trials is None and timeout is None else trials
+    trials = 20 if trials is None and timeout is None and deadline is None else trials
     identity = {**study_identity(model, model_name), "decoding": spec.measure.decoding, "compile": bool(base.compile)}
     study_name = study_name or _default_study_name(identity)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -434,6 +443,11 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     enqueue_fresh(study, spec.search.enqueue, "space_file", "setting(s) of the space file", log)  # first: yours
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
     enqueue_previous(study, base, space, log, sampled=spec.measure.decoding != "greedy")
+    if deadline is not None:  # a time budget: the search gets what setup left, less the re-timing's estimate
+        left = search_timeout(deadline - time.monotonic(), session.plain.seconds, spec.measure, spec.search,
+                              len(kinds(space)))
+        timeout = max(1.0, min(timeout or left, left))
+        log(f"calibrate: the search gets {timeout:.0f} s of the time budget")
     budget = _Budget(session, trials, timeout)
     callbacks = [budget] + [BalanceKinds(space, budget)] * spec.search.balance_kinds
     try:
@@ -441,7 +455,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
                        catch=(torch.cuda.OutOfMemoryError,) if torch.cuda.is_available() else ())
     finally:
         budget.bar.close()
-    return _finish(model, study, session, base, storage, output, identity, log)
+    return _finish(model, study, session, base, storage, output, identity, log, cut)
 
 
 def with_mode(base: SelfSpecConfig, chosen: SelfSpecConfig, calibration: dict, sampled: bool) -> SelfSpecConfig:
@@ -496,7 +510,7 @@ def _set_study_attrs(study, session: Session, spec: SearchSpec, space: SearchSpa
         study.set_user_attr("acceptance_profile", session.predictor.profile_summary(space.max_draft_tokens[-1]))
 
 
-def _finish(model, study, session, base, storage, output, identity, log) -> CalibrationResult:
+def _finish(model, study, session, base, storage, output, identity, log, cut: str = "") -> CalibrationResult:
     candidates = final_candidates(study, session.spec.search)
     if not candidates:
         raise RuntimeError(f"No trial of study {study.study_name!r} was measured; raise --trials or --timeout.")
@@ -515,6 +529,8 @@ def _finish(model, study, session, base, storage, output, identity, log) -> Cali
                    "device": identity["device"], "dtype": identity["dtype"], "decoding": identity["decoding"],
                    "date": time.strftime("%Y-%m-%d"), "environment": environment(model),
                    "per_drafter": best_per_drafter(study, confirmed)}
+    if cut:
+        calibration["cut_to_budget"] = cut
     sampled = identity["decoding"] != "greedy"
     best = with_mode(base, chosen, calibration, sampled)
     study.set_user_attr("final", {"best": winner, "plain_tokens_per_s": plain_tps})
