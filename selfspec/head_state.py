@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .cache import SpecCache
-from .drafters.ngram import _PAD, SuffixIndex
+from .lookup import PAD, SuffixIndex
 from .heads import ExitHead
 
 
@@ -57,13 +57,13 @@ class CopyPaths:
 
     def __init__(self, n_max: int):
         self.n_max = n_max
-        self.texts: list[SuffixIndex] = []  # [row]: its verified text so far, prompt padding as _PAD
+        self.texts: list[SuffixIndex] = []  # [row]: its verified text so far, prompt padding as PAD
         self.paths: list[list[tuple]] = []  # [row][verify input of this step]: the drafts after the pending token
 
     def begin(self, view) -> None:
         prompt = view.seq[:, : view.prompt_len]
         if view.mask is not None:
-            prompt = prompt.masked_fill(view.mask == 0, _PAD)
+            prompt = prompt.masked_fill(view.mask == 0, PAD)
         self.texts = [SuffixIndex(self.n_max) for _ in range(view.batch)]
         for index, row in zip(self.texts, prompt.tolist()):
             index.extend(row)

@@ -17,6 +17,7 @@ from torch import nn
 from .arch.base import ArchAdapter
 from .distributed import is_dtensor
 from .draft_length import copies
+from .lookup import prefix_copy_candidates
 
 
 class ExitHead(nn.Module):
@@ -400,8 +401,6 @@ def draft_logits(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, voc
 def teacher_forced_candidates(head: ExitHead, text: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """(token (N,), match (N,)) a copy head's candidates at `rows` of one text (1, T), each looked up in the text up
     to its row, as the drafter does (-1 and 0 where none), on the text's device."""
-    from .drafters.ngram import prefix_copy_candidates
-
     found = prefix_copy_candidates(text[0, : rows.stop].tolist(), head.copy_max)
     token, match = (torch.tensor(c)[rows].to(text.device) for c in found)
     return token, match

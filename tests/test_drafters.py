@@ -15,7 +15,7 @@ import selfspec.decoding
 from conftest import TEST_DEVICE, make_model
 from distribution import accept_everything, chi_square_pvalue, exact_marginals
 from selfspec.drafters import build_drafter
-from selfspec.drafters.ngram import suffix_match
+from selfspec.lookup import suffix_match
 
 GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
 LAYERS = 4
@@ -520,7 +520,7 @@ def test_tree_sampling_negative_control_residual(target_and_exact, monkeypatch, 
 def _lookup_rule(rows: torch.Tensor, last: torch.Tensor, n_max: int) -> tuple[list[int], list[int]]:
     """The n-gram drafter's vectorised rule on (R, L) texts ending at `last` (R,): each row's copy candidate
     (-1: none) and match length."""
-    from selfspec.drafters.ngram import continuation, suffix_match
+    from selfspec.lookup import continuation, suffix_match
 
     match, end = suffix_match(rows, last, n_max, 1)
     token, length = continuation(rows, last, match, end, 1)
@@ -532,7 +532,7 @@ def _lookup_rule(rows: torch.Tensor, last: torch.Tensor, n_max: int) -> tuple[li
 def test_prefix_copy_candidates_match_the_drafters_lookup():
     """train_copy and eval_heads look candidates up for every prefix in one pass; the n-gram drafter with
     suffix_match on the text so far. Both must give the same token and match length at every position."""
-    from selfspec.drafters.ngram import prefix_copy_candidates
+    from selfspec.lookup import prefix_copy_candidates
 
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
@@ -550,7 +550,7 @@ def test_copy_paths_look_up_each_inputs_path_as_the_vectorised_rule():
     from types import SimpleNamespace
 
     from selfspec.head_state import CopyPaths
-    from selfspec.drafters.ngram import _PAD
+    from selfspec.lookup import PAD
 
     g = torch.Generator().manual_seed(1)
     for trial in range(30):
@@ -562,7 +562,7 @@ def test_copy_paths_look_up_each_inputs_path_as_the_vectorised_rule():
         state = SimpleNamespace(seq=seq, prompt_len=prompt_len, mask=mask, batch=b, lengths=[prompt_len] * b)
         paths = CopyPaths(n_max)
         paths.begin(state)
-        text = seq.masked_fill(torch.nn.functional.pad(mask == 0, (0, 40 - prompt_len)), _PAD)
+        text = seq.masked_fill(torch.nn.functional.pad(mask == 0, (0, 40 - prompt_len)), PAD)
         for verified, parents in ((prompt_len, None), (prompt_len + 4, torch.tensor([[0, 0, 1, 2, 1]] * b))):
             state.lengths = [verified] * b
             paths.start()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..drafters.ngram import _PAD, continuation, suffix_match
+from ..lookup import PAD, continuation, suffix_match
 
 
 def propose_rows(texts: list[np.ndarray], k: int, ngram_max: int, ngram_min: int) -> list[list[int]]:
@@ -30,7 +30,7 @@ def propose_rows(texts: list[np.ndarray], k: int, ngram_max: int, ngram_min: int
     if not texts:
         return []
     width = max(len(t) for t in texts)
-    text = torch.full((len(texts), width), _PAD, dtype=torch.long)  # (B, L), _PAD past a row's end
+    text = torch.full((len(texts), width), PAD, dtype=torch.long)  # (B, L), PAD past a row's end
     for row, tokens in enumerate(texts):
         text[row, :len(tokens)] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
     last = torch.tensor([len(t) - 1 for t in texts])  # (B,)

@@ -451,7 +451,7 @@ def ngram_proposals(seq: Sequence, k_max: int, n_max: int, n_min: int, eos_ids: 
     """The ngram drafter's proposal (up to k_max tokens) at every answer position done = 1..N-1, computed with
     its own lookup functions on prompt + answer[:done], which is exactly its text when all tokens so far are
     the full model's. Shorter k give prefixes of these proposals."""
-    from ..drafters.ngram import continuation, cut_after_eos, suffix_match
+    from ..lookup import continuation, cut_after_eos, suffix_match
 
     full = torch.cat([seq.prompt[0].cpu(), seq.answer.cpu()])
     p = seq.prompt.shape[1]

@@ -168,7 +168,7 @@ class TopChain:
 
     def __init__(self, head, adapter, states, text=None):
         from selfspec.head_state import TopStates
-        from selfspec.drafters.ngram import prefix_copy_candidates
+        from selfspec.lookup import prefix_copy_candidates
 
         self.head, self.adapter, self.tops = head, adapter, TopStates()
         self.early, self.top = states[head.exit_layer], states[-1]  # (1, T, H)

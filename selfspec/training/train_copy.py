@@ -118,7 +118,7 @@ def smaller_vocab(vocab_ids: torch.Tensor | None, counts: torch.Tensor, size: in
 def shard_candidates(f, keep: torch.Tensor, copy_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(token (R,), match (R,)) copy candidates of a shard's kept rows: row at position t looks up its sequence's
     tokens [0, t], as the drafter looks up the text ending at the token it drafts after."""
-    from selfspec.drafters.ngram import prefix_copy_candidates
+    from selfspec.lookup import prefix_copy_candidates
 
     tokens, tok_off = f.get_tensor("seq_tokens"), f.get_tensor("seq_token_offsets")
     offsets, positions, inputs = f.get_tensor("seq_offsets"), f.get_tensor("positions"), f.get_tensor("input_ids")
