@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import CONFIG_NAME, SelfSpecConfig, read_config_json
+from .config import CONFIG_FIX, CONFIG_NAME, SelfSpecConfig, read_config_json
 from .heads import ExitHead, build_head, dense_rows
 
 HEADS_FILE = "heads.safetensors"
@@ -181,7 +181,12 @@ def load_heads(directory: str, adapter) -> list[ExitHead]:
     tensors = _read_heads_file(path) if os.path.isfile(path) else {}
     heads = []
     for spec in specs:
-        head = build_head(spec, adapter)
+        try:
+            head = build_head(spec, adapter)
+        except (KeyError, TypeError, ValueError) as err:  # a head spec without a field it needs, or with a bad one
+            what = f"no {err.args[0]!r} field" if isinstance(err, KeyError) else " ".join(str(err).split())
+            raise ValueError(f"{os.path.join(directory, CONFIG_NAME)}: the exit-layer-{spec.get('exit_layer')} head "
+                             f"spec is not one selfspec can build ({what}). {CONFIG_FIX}") from err
         prefix = f"layer{spec['exit_layer']}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         _load_state(head, state, spec, path)

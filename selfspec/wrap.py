@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from .arch import adapter_for
 from .attention import restore_attention, use_engine_attention
 from .cache import SlotTable, SpecCache
-from .config import SelfSpecConfig
+from .config import SelfSpecConfig, config_file
 from .decoding import DecodeSettings, GenerationStats, speculative_decode
 from .drafters import build_drafter
 from .drafters.base import Drafter
@@ -286,7 +286,14 @@ def wrap(model, config=None, **overrides):
     mismatch = calibration_mismatch(config, model)
     if mismatch:
         warn_once(f"selfspec: {mismatch}", stacklevel=3)
-    engine = SelfSpecEngine(model, config)
+    try:
+        engine = SelfSpecEngine(model, config)
+    except ValueError as err:
+        if directory is None or overrides:
+            raise
+        # a value the config file holds, out of range for this model: say which file
+        raise ValueError(f"{config_file(directory)}: {err} Fix: change it in that file, or override it: "
+                         f"selfspec.wrap(model, DIR, name=value).") from err
     if unknown_name is not None:
         engine.config = engine.config.replace(drafter=unknown_name)
     engine.tokenizer, engine.draft_tokenizer = tokenizer, draft_tokenizer

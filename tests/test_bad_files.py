@@ -98,6 +98,8 @@ def test_a_foreign_heads_file_is_one_line(files):
     ("wrong type", ["exit_layer", "'two'", "an integer"]),
     ("unknown field", ["exit_layr"]),
     ("heads not a list", ["heads"]),
+    ("head spec without its rank", ["exit-layer-2 head", "no 'rank' field"]),
+    ("exit layer out of range", ["exit_layer=99", "1 <= exit_layer <= 3"]),
 ])
 def test_a_config_of_the_wrong_shape_is_one_line(files, shape, words):
     heads = heads_copy(files, "config-" + shape.replace(" ", "-"))
@@ -107,7 +109,10 @@ def test_a_config_of_the_wrong_shape_is_one_line(files, shape, words):
             "array": "[1, 2]",
             "wrong type": json.dumps({**saved, "exit_layer": "two"}),
             "unknown field": json.dumps({**saved, "exit_layr": 2}),
-            "heads not a list": json.dumps({**saved, "heads": "mlp"})}[shape]
+            "heads not a list": json.dumps({**saved, "heads": "mlp"}),
+            "exit layer out of range": json.dumps({**saved, "exit_layer": 99}),
+            "head spec without its rank": json.dumps({**saved, "heads": [
+                {k: v for k, v in h.items() if k != "rank"} for h in saved["heads"]]})}[shape]
     config.write_text(text)
     assert_one_line(selfspec("generate", "--model", files["model"], "--heads", heads, "w1"), config, *words)
 
