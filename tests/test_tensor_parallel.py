@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +35,8 @@ def _free_port() -> int:
 
 def torchrun(nproc: int, out_dir: Path, *args: str, timeout: int = TIMEOUT_S) -> list[dict]:
     """Run tests/tp_worker.py on `nproc` ranks; return each rank's report. A job that outlives `timeout` is killed
-    with all its processes (own session); a port taken between choosing and binding it is retried."""
+    with all its processes (own session); a port taken between choosing and binding it, or a rank killed by a
+    signal in native code, is retried."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     for attempt in range(3):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
@@ -55,6 +57,11 @@ def torchrun(nproc: int, out_dir: Path, *args: str, timeout: int = TIMEOUT_S) ->
         if proc.returncode == 0:
             return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
         if "address already in use" in output.lower() and attempt < 2:
+            continue
+        # a rank killed by a signal in native code (glibc's "malloc(): unaligned tcache chunk detected" abort in a
+        # gloo worker, seen once in some runs of this file) is not a wrong answer: run the job once more. A rank
+        # that raises, or reports a check that failed, exits 1 and fails at once.
+        if re.search(r"exitcode: -(6|11)\b", output) and attempt == 0:
             continue
         pytest.fail(f"torchrun job failed (exit {proc.returncode}); output tail:\n{_tail(output)}")
 
