@@ -703,11 +703,6 @@ class Conversation:
     spans: list  # per assistant turn (p, q, finished): its tokens are [p, q); finished False if max_len cut it
 
 
-def renders_plain(tok) -> bool:
-    """Whether chats are rendered as plain dialogue: the tokenizer has no chat template."""
-    return not chat.has_template(tok)
-
-
 def encode_conversation(tok, messages: list[dict], max_len: int, eos: set[int]) -> tuple[list[int], list[tuple]]:
     """Token ids of a chat in the tokenizer's chat template (plain dialogue without one) and its assistant spans,
     cut at ``max_len`` tokens. A plain text item is one span over all its tokens but the first.
@@ -882,9 +877,12 @@ class StageBar:
                                                bar_format="{desc}: {bar} {n}/{total} s{postfix}")
 
     def tick(self, tokens: int) -> None:
-        if self.bar is not None:
-            self.bar.update(min(round(time.monotonic() - self.start), self.bar.total) - self.bar.n)
-            self.bar.set_postfix_str(f"{tokens:,} tokens")
+        """After a shard: `tokens` collected so far in this stage."""
+        if self.bar is None:
+            self.tokens.update(tokens - self.tokens.n)  # no-op where the shard's forward calls advanced it
+            return
+        self.bar.update(min(round(time.monotonic() - self.start), self.bar.total) - self.bar.n)
+        self.bar.set_postfix_str(f"{tokens:,} tokens")
 
     def close(self) -> None:
         if self.bar is not None:  # a target reached before the deadline ends the bar there
@@ -1051,7 +1049,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
     model, tok, fingerprint = load_checked_model(name_or_path, args, sc["exit_layers"])
     base = {"weights": fingerprint["weights_sha256"], "dtype": fingerprint["dtype"], "data": data["sha256"],
             "questions": questions_sha, "format": FORMAT_VERSION, "source": "sharegpt"}
-    if renders_plain(tok):  # selfspec.chat says so when it first renders one
+    if not chat.has_template(tok):  # plain dialogue; selfspec.chat says so when it first renders one
         base["render"] = "plain dialogue"
 
     def digest(keys):
@@ -1151,8 +1149,6 @@ def collect_sharegpt(args, cfg: dict) -> int:
             write_shard(shard, tensors, meta)
             st = meta["stats"]
             op_tokens += st["n_response_tokens"]
-            if bar.tokens is not None:
-                bar.tokens.update(st["n_response_tokens"])
             bar.tick(op_tokens)
             _log(f"{name}: {st['n_seqs']} answers, {st['n_response_tokens']} tokens in {st['gen_seconds']:.0f}s "
                  f"({st['n_response_tokens'] / max(st['gen_seconds'], 0.01):.1f} tok/s)")

@@ -87,6 +87,11 @@ def _load_model(args):
     return model, tokenizer
 
 
+# kinds of drafting a shipped space holds at the most (chains and trees of early_exit and hybrid, n-grams): the
+# re-timing's size is bounded with it before the space is resolved against the model (the study uses the real count)
+MOST_KINDS = 5
+
+
 def fit_to_budget(spec: SearchSpec, model, tokenizer, questions, seconds: float) -> tuple[SearchSpec, str]:
     """`spec` with its measurement and re-timing shrunk to fit `seconds` (budget.fit), at the speed of plain
     generate timed here on the first question; and what was cut, in words."""
@@ -97,7 +102,7 @@ def fit_to_budget(spec: SearchSpec, model, tokenizer, questions, seconds: float)
     ids = chat_input_ids(tokenizer, questions[0].text).to(next(model.parameters()).device)
     generate_once(model, ids, 2, plain=True)  # first calls are slow
     probe = time_generation(model, [ids], 16, plain=True)
-    fitted = fit(spec.measure, spec.search, seconds, 1.0 / probe.tokens_per_s, kinds=5)
+    fitted = fit(spec.measure, spec.search, seconds, 1.0 / probe.tokens_per_s, kinds=MOST_KINDS)
     print(f"calibrate: time budget {seconds:.0f} s at {probe.tokens_per_s:.1f} plain tok/s"
           + (f": {fitted.cut}" if fitted.cut else ""), flush=True)
     return dataclasses.replace(spec, measure=fitted.measure, search=fitted.strategy), fitted.cut
