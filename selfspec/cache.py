@@ -64,6 +64,16 @@ class SpecLayer(DynamicLayer):
         self._refresh_views()
         return self.keys, self.values
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole (B, heads, capacity, head_dim) K and V buffers, for a pass that writes its slots itself
+        (runner.py's compiled pass), or None before the first write allocates them."""
+        return None if self._k is None else (self._k, self._v)
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated so far (0 before the first write)."""
+        return 0 if self._k is None else self._k.shape[-2]
+
     def advance(self, tokens: int) -> None:
         """Count `tokens` slots written past `length` in place (the compiled step writes the buffer itself)."""
         self.length += tokens
@@ -161,13 +171,17 @@ class SpecCache(Cache):
 class SlotTable:
     """Token position held by each (row, slot) of the shared cache; -1 marks padding and rejected drafts."""
 
-    def __init__(self, batch: int, device, capacity: int = 256):
+    def __init__(self, batch: int, device, capacity: int = 256, has_holes: bool | None = None):
         self.pos = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
-        # True once any row has a hole (left padding, or rows that accepted different numbers of drafts):
-        # until then a single query over a dense prefix needs no mask at all.
-        self.has_holes = False
-        # (start, (B, M, M) ancestors) while a draft tree occupies slots [start, start + M): masks.build_mask
-        self.tree: tuple[int, torch.Tensor] | None = None
+        # Whether any row may hold a hole (left padding, or rows that accept different numbers of drafts): without
+        # one a single query over a dense prefix needs no mask at all. Any batch of two rows or more may.
+        self.has_holes = batch > 1 if has_holes is None else has_holes
+
+    @classmethod
+    def for_prompt(cls, input_ids: torch.Tensor, attention_mask, capacity: int = 256) -> "SlotTable":
+        """The table of a call whose (B, T) prompt has this attention mask (None: no padding), `capacity` slots."""
+        padding = attention_mask is not None and bool((attention_mask == 0).any())
+        return cls(input_ids.shape[0], input_ids.device, capacity, input_ids.shape[0] > 1 or padding)
 
     def write(self, start: int, positions: torch.Tensor) -> None:
         """Record (B, T) positions of tokens entering slots [start, start + T)."""
@@ -186,8 +200,3 @@ class SlotTable:
 
     def view(self, length: int) -> torch.Tensor:
         return self.pos[:, :length]
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.pos = self.pos[rows]
-        if self.tree is not None:
-            self.tree = (self.tree[0], self.tree[1][rows])

@@ -3,7 +3,8 @@
     selfspec.wrap(model, compile=True)      # or SelfSpecConfig(compile=True), or --compile on the command line
 
 Every pass the engine makes once the prompt is in (a drafted token through layers [0, E), a verify pass through
-[E, L), a tree, the LM head over a verify pass) runs a compiled function of a few fixed shapes:
+[E, L), a tree, the LM head over a verify pass) runs a compiled function of a few fixed shapes. The layer pass is
+the runner's own `layer_range` (runner.py), compiled over the cache's buffers; this module keeps the graphs:
 
 - the T query tokens are padded up to a bucket: powers of two (BUCKETS), and the sizes of a call's full verify
   passes (K + 1, a copying chain's and a tree's), which are the most frequent and would otherwise run up to
@@ -55,50 +56,6 @@ def compiler_missing(device: torch.device) -> str | None:
     return None
 
 
-class _SlotWriter:
-    """The cache a compiled pass hands the model's layers: `update` writes the new KV at the pass's slots (a tensor,
-    so no length is a Python number the compiler would specialise on) and returns the layer's buffer up to `length`."""
-
-    def __init__(self, keys, values, slots, length: int, first: int):
-        self.keys, self.values, self.slots, self.length, self.first = keys, values, slots, length, first
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.keys[layer_idx - self.first], self.values[layer_idx - self.first]
-        k.index_copy_(2, self.slots, key_states)
-        v.index_copy_(2, self.slots, value_states)
-        return k[:, :, : self.length], v[:, :, : self.length]
-
-
-def layer_range(adapter, start: int, stop: int, hidden, positions, masks: dict, slots, keys, values):
-    """Layers [start, stop) on padded (B, Tb, H) states at (B, Tb) positions; masks {window: (B, 1, Tb, S)} over
-    the first S slots; the KV of the Tb tokens goes to `slots` (Tb,) of each layer's buffer in keys/values."""
-    length = next(iter(masks.values())).shape[-1]
-    cache = _SlotWriter(keys, values, slots, length, start)
-    rotary = adapter.rotary(hidden, positions)
-    quiet = _OUTPUT_COLLECTOR.set(None) if _OUTPUT_COLLECTOR is not None else None
-    for i in range(start, stop):
-        hidden = adapter.call_layer(i, hidden, masks[adapter.window(i)], positions, rotary, cache)
-    if _OUTPUT_COLLECTOR is not None:
-        _OUTPUT_COLLECTOR.reset(quiet)
-    return hidden
-
-
-def _output_collector():
-    """transformers' output-capturing hooks, installed on a model's layers the first time it is asked for hidden
-    states or attentions, read their collector from a ContextVar, which Dynamo cannot trace: the graph would break
-    in the layer loop and the whole pass would run eager. Set inside a compiled function, the collector becomes a
-    plain global (transformers' CompileableContextVar, as its own compiled forward uses it); the engine's passes
-    collect nothing, so it is set to None there and reset after."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output-capturing hooks
-        return None
-    return _active_collector if hasattr(_active_collector, "reset") else None
-
-
-_OUTPUT_COLLECTOR = _output_collector()
-
-
 def head_logits(adapter, normed):
     """The LM head on (B, Tb, H) final-normed states -> (B, Tb, V) (ArchAdapter.logits caps them where needed)."""
     return adapter.lm_head(normed)
@@ -116,20 +73,21 @@ def row_logits(rows: torch.nn.Linear, normed):
     return rows(normed)
 
 
-# (device type) -> {name: compiled function}: one compiled function each, whatever the model, so that Dynamo's
-# graphs (kept per function) serve every engine; the graphs themselves are per model and per head (guards)
-_FUNCTIONS: dict[str, dict] = {}
+# (device type, function) -> its compiled version: one each, whatever the model, so that Dynamo's graphs (kept per
+# function) serve every engine; the graphs themselves are per model and per head (guards)
+_FUNCTIONS: dict[tuple, object] = {}
 # model -> {device: its CompiledStep}: the steps outlive a wrap, as the graphs do
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _functions(device: torch.device) -> tuple:
-    if device.type not in _FUNCTIONS:
+def _compiled(fn, device: torch.device):
+    """`fn` through torch.compile for this device type, made at its first use."""
+    key = (device.type, fn)
+    if key not in _FUNCTIONS:
         mode = "reduce-overhead" if device.type == "cuda" else None
         # dynamic=False: every shape is static except those marked dynamic (the cache lengths, on a CPU)
-        _FUNCTIONS[device.type] = {fn.__name__: torch.compile(fn, mode=mode, dynamic=False)
-                                   for fn in (layer_range, head_logits, exit_head_output, row_logits)}
-    return _FUNCTIONS[device.type]
+        _FUNCTIONS[key] = torch.compile(fn, mode=mode, dynamic=False)
+    return _FUNCTIONS[key]
 
 
 def step_for(model, device: torch.device) -> CompiledStep:
@@ -175,6 +133,11 @@ def forget(model) -> None:
     torch._dynamo.reset()
 
 
+def shapes_seen(model) -> int:
+    """Pass shapes this model's compiled steps have compiled so far, on every device (recompiles included)."""
+    return sum(len(step._seen) + step.recompiles for step in _STEPS.get(model, {}).values())
+
+
 def warmup_seconds(model) -> float:
     """Seconds this model's passes have spent compiling so far, on every device."""
     return sum(step.warmup_seconds for step in _STEPS.get(model, {}).values())
@@ -186,7 +149,6 @@ class CompiledStep:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self._fns = _functions(device)
         # exit head -> (its number here, its weights' (address, version) when compiled): a head whose weights
         # moved since runs eager, as the graph holds them as they were; the number keeps a new head that reuses
         # a dead one's id from skipping the guards of the first call
@@ -202,6 +164,10 @@ class CompiledStep:
         self.recompiles = 0  # passes of a shape compiled before that compiled again (none expected)
         self.buckets = BUCKETS
         self.dynamic_tokens = False  # CPU only: one graph per layer range where memory is short (step_for)
+        # CUDA only: the smallest buffer a call allocates. CUDA graphs read the whole buffer, so its size is part
+        # of every layer graph; the warm-up raises this to the size its longest call needs, which every call up to
+        # that length then shares.
+        self.least_capacity = 0
 
     def size(self, tokens: int) -> tuple[int | None, int | str]:
         """(rows a pass of `tokens` tokens runs, its shape's key): the bucket, padded to; with dynamic_tokens the
@@ -213,7 +179,7 @@ class CompiledStep:
         # the weights, of its own), and a second row costs little where reading the weights bounds the pass
         return (max(tokens, 2) if tokens <= BUCKETS[-1] else None), "T"
 
-    def _mark_tokens(self, *dims) -> None:
+    def mark_tokens(self, *dims) -> None:
         """With dynamic_tokens, mark the token dimension of each (tensor, dim) dynamic."""
         if self.dynamic_tokens:
             for tensor, dim in dims:
@@ -227,9 +193,24 @@ class CompiledStep:
         """KV slots to allocate for a call whose longest sequence needs `needed`: room for a padded pass past it,
         plus one (a read length equal to the whole buffer would be a shape of its own); a power of two on CUDA."""
         slots = needed + BUCKETS[-1] + 1
-        return 1 << (slots - 1).bit_length() if self.cuda else slots
+        return max(1 << (slots - 1).bit_length(), self.least_capacity) if self.cuda else slots
 
-    def _call(self, fn, key, *args):
+    def mark_cache(self, masks: list, buffers: tuple) -> None:
+        """Mark a layer pass's (B, 1, Tb, S) masks and (B, heads, capacity, head_dim) KV buffers: on a CPU the read
+        length S and the buffers' size (a call's longest sequence) vary without recompiling; on CUDA the graphs
+        replay fixed addresses, so the buffers they write in place are marked as such."""
+        if not self.cuda:
+            for mask in masks:
+                torch._dynamo.mark_dynamic(mask, 3)
+            for buffer in buffers:
+                torch._dynamo.mark_dynamic(buffer, 2)
+        else:
+            for buffer in buffers:
+                torch._dynamo.mark_static_address(buffer)
+
+    def call(self, fn, key, *args):
+        """The compiled `fn` on `args`; `key` names the shape, whose first call is timed as warm-up."""
+        fn = _compiled(fn, self.device)
         first = key not in self._seen
         start = time.perf_counter() if first else 0.0
         try:
@@ -253,93 +234,47 @@ class CompiledStep:
                 scope.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
             return fn(*args)
 
-    def can_run(self, cache, start: int, stop: int, tokens: int) -> bool:
-        tb, _ = self.size(tokens)
-        if tb is None or start >= stop:
-            return False
-        q_start = cache.layer_length(start)
-        return all(layer._k is not None and layer._k.shape[-2] > q_start + tb and layer.length == q_start
-                   for layer in cache.layers[start:stop])
-
-    def run_layers(self, ctx, hidden, positions, start: int, stop: int, slot_positions=None) -> torch.Tensor:
-        """forward.run_layers for a pass that can_run: pad, run the compiled range, record the new lengths."""
-        from .masks import build_mask
-
-        adapter, cache, table = ctx.adapter, ctx.cache, ctx.slots
-        b, t, _ = hidden.shape
-        tb, key = self.size(t)
-        q_start = cache.layer_length(start)
-        if start == 0:
-            table.write(q_start, positions if slot_positions is None else slot_positions)
-        layers = cache.layers[start:stop]
-        full = layers[0]._k.shape[-2]
-        length = full - 1 if self.cuda else q_start + tb
-        live = table.view(q_start + t)
-        masks = {}
-        for i in range(start, stop):
-            window = adapter.window(i)
-            if window not in masks:
-                real = build_mask(live, positions, q_start, window, hidden.dtype, "sdpa", table.tree)
-                masks[window] = _padded_mask(real, q_start, t, tb, length, hidden.dtype, adapter.attn_impl)
-        keys, values = [layer._k for layer in layers], [layer._v for layer in layers]
-        if not self.cuda:  # the read length and the buffers' size (a call's longest sequence) vary: no recompile
-            for mask in masks.values():
-                torch._dynamo.mark_dynamic(mask, 3)  # (B, 1, Tb, S): S
-            for buffer in (*keys, *values):
-                torch._dynamo.mark_dynamic(buffer, 2)  # (B, heads, capacity, head_dim): capacity
-        else:  # CUDA graphs replay fixed addresses: the buffers they write in place must be marked as such
-            for buffer in (*keys, *values):
-                torch._dynamo.mark_static_address(buffer)
-        if tb > t:  # a padding row sits at the last real position (its mask lets it see only its own slot)
-            positions = torch.cat([positions, positions[:, -1:].expand(b, tb - t)], dim=1)
-        hidden, positions = _padded(hidden, tb), _dense(positions)
-        slots = torch.arange(q_start, q_start + tb, device=hidden.device)
-        self._mark_tokens((hidden, 1), (positions, 1), (slots, 0), *((mask, 2) for mask in masks.values()))
-        out = self._call(self._fns["layer_range"], ("layers", start, stop, b, key), adapter, start, stop, hidden,
-                         positions, masks, slots, keys, values)
-        for layer in layers:
-            layer.advance(t)
-        self._announce()
-        return self._real_rows(out, t)
-
     def runs(self, tokens: int) -> bool:
         """Whether a pass of `tokens` tokens outside the layers (an LM head, an exit head) runs compiled."""
         return self.size(tokens)[0] is not None and not torch.is_grad_enabled()
 
-    def _token_pass(self, name: str, key: tuple, *args) -> torch.Tensor | None:
-        """The compiled function `name` on `args`, whose tensors are (B, T, H) states, its shape keyed by `key` plus
+    def _token_pass(self, fn, key: tuple, *args) -> torch.Tensor | None:
+        """The compiled `fn` on `args`, whose tensors are (B, T, H) states, its shape keyed by `key` plus
         (B, the pass's size): each tensor padded to the pass's rows (and marked, with dynamic_tokens), the T real
         rows of its output returned; None where it runs eager (runs)."""
         b, t, _ = next(a for a in args if isinstance(a, torch.Tensor)).shape
         if not self.runs(t):
             return None
         tb, size = self.size(t)
-        args = [_padded(a, tb) if isinstance(a, torch.Tensor) else a for a in args]
-        self._mark_tokens(*((a, 1) for a in args if isinstance(a, torch.Tensor)))
-        out = self._call(self._fns[name], (*key, b, size), *args)
-        return self._real_rows(out, t)
+        args = [padded(a, tb) if isinstance(a, torch.Tensor) else a for a in args]
+        self.mark_tokens(*((a, 1) for a in args if isinstance(a, torch.Tensor)))
+        out = self.call(fn, (*key, b, size), *args)
+        return self.real_rows(out, t)
 
-    def _real_rows(self, out: torch.Tensor, t: int) -> torch.Tensor:
+    def real_rows(self, out: torch.Tensor, t: int) -> torch.Tensor:
         """A padded output's first t rows (copied on CUDA, where the graph reuses its output's memory)."""
         return out[:, :t].clone() if self.cuda else out[:, :t]
 
     def logits(self, adapter, normed: torch.Tensor) -> torch.Tensor | None:
         """The LM head over (B, T, H) states through the compiled head, or None where it does not run compiled."""
-        return self._token_pass("head_logits", ("logits",), adapter, normed)
+        return self._token_pass(head_logits, ("logits",), adapter, normed)
 
     def head_normed(self, head, adapter, hidden: torch.Tensor, prev_top: torch.Tensor | None) -> torch.Tensor | None:
         """ExitHead.normed of (B, T, H) layer-E states through the compiled head, or None where it runs eager."""
         if not self.runs(hidden.shape[1]):  # first: a head called in training is not recorded mid-change
             return None
         weights = tuple((p.data_ptr(), p._version) for p in head.parameters())
-        if head not in self._heads:
-            self._head_count += 1
-            self._heads[head] = (self._head_count, weights)
-        number, compiled_weights = self._heads[head]
-        if weights != compiled_weights:
-            return None
+        if weights:
+            if head not in self._heads:
+                self._head_count += 1
+                self._heads[head] = (self._head_count, weights)
+            number, compiled_weights = self._heads[head]
+            if weights != compiled_weights:
+                return None
+        else:  # the plain exit, made anew by each call: one graph serves every head of its kind
+            number = type(head).__name__
         prev = None if prev_top is None else prev_top.to(hidden.device)
-        return self._token_pass("exit_head_output", ("head", number, prev is None), head, adapter, hidden, prev)
+        return self._token_pass(exit_head_output, ("head", number, prev is None), head, adapter, hidden, prev)
 
     def row_logits(self, rows: torch.Tensor, normed: torch.Tensor) -> torch.Tensor | None:
         """(B, T, H) normed states times the (V_draft, H) LM-head `rows` through the compiled product, or None."""
@@ -353,28 +288,28 @@ class CompiledStep:
             entry = self._rows[id(rows)] = (weakref.ref(rows), self._row_modules, module)
             weakref.finalize(rows, self._rows.pop, id(rows), None)
         _, number, module = entry
-        return self._token_pass("row_logits", ("rows", number), module, normed.to(rows.device))
+        return self._token_pass(row_logits, ("rows", number), module, normed.to(rows.device))
 
-    def _announce(self) -> None:
+    def announce(self) -> None:
         if not self._announced and self.warmup_seconds > 0:
             self._announced = True
             warnings.warn(f"selfspec: compiling the step (the first passes of each shape compile; "
                           f"{self.warmup_seconds:.0f} s so far); later calls reuse the graphs.", stacklevel=2)
 
 
-def _padded(x: torch.Tensor, tb: int) -> torch.Tensor:
-    """(B, T, H) -> (B, Tb, H) with zero rows after the T real ones, with fresh strides (_dense)."""
+def padded(x: torch.Tensor, tb: int) -> torch.Tensor:
+    """(B, T, H) -> (B, Tb, H) with zero rows after the T real ones, with fresh strides (dense)."""
     b, t, h = x.shape
-    return _dense(x if tb == t else torch.cat([x, x.new_zeros(b, tb - t, h)], dim=1))
+    return dense(x if tb == t else torch.cat([x, x.new_zeros(b, tb - t, h)], dim=1))
 
 
-def _dense(x: torch.Tensor) -> torch.Tensor:
+def dense(x: torch.Tensor) -> torch.Tensor:
     """x with the strides of a new tensor of its shape: strides are part of a graph's guards, and a slice of size 1
     in a dimension is contiguous with any stride there."""
     return x.new_empty(x.shape).copy_(x)
 
 
-def _padded_mask(real, q_start: int, t: int, tb: int, length: int, dtype, impl: str) -> torch.Tensor:
+def padded_mask(real, q_start: int, t: int, tb: int, length: int, dtype, impl: str) -> torch.Tensor:
     """(B, 1, Tb, length) mask from the real queries' (B, 1, t, q_start + t) boolean mask: padding rows see their
     own slot only, and no row sees a slot past the real ones."""
     b = real.shape[0]

@@ -15,7 +15,7 @@ import torch
 from .distributed import agree_across_ranks
 from .draft_length import copy_budget, draft_budget
 from .drafters.base import Draft, Drafter
-from .forward import StepContext, forward_early, forward_prompt, forward_remainder
+from .runner import Runner
 from .processing import PrefixProcessor
 from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling, verify_sampling_lazy
 from .trees import gather_inputs, input_depths, tree_ancestors, verify_tree_greedy, verify_tree_sampling
@@ -93,14 +93,13 @@ class VerifyStep:
 class DecodeState:
     """Per-call mutable state of the loop; the drafter reads it through `view` (a DraftView) only."""
 
-    def __init__(self, ctx: StepContext, input_ids, attention_mask, settings: DecodeSettings):
-        self.ctx, self.settings = ctx, settings
+    def __init__(self, runner: Runner, input_ids, attention_mask, settings: DecodeSettings):
+        self.runner, self.settings = runner, settings
         self.batch, self.prompt_len = input_ids.shape
         self.device = input_ids.device
-        self.vocab_size = ctx.adapter.vocab_size
+        self.vocab_size = runner.adapter.vocab_size
         self.do_sample = settings.do_sample
-        widest = max(settings.max_draft_tokens, settings.copy_draft_tokens, settings.tree_size)
-        capacity = max(settings.max_length, self.prompt_len) + widest + 2
+        capacity = call_capacity(settings, self.prompt_len)
         self.seq = torch.full((self.batch, capacity), settings.pad_token_id, dtype=torch.long, device=self.device)
         self.seq[:, : self.prompt_len] = input_ids
         self.seq_len = torch.full((self.batch,), self.prompt_len, dtype=torch.long, device=self.device)
@@ -126,7 +125,7 @@ class DecodeState:
 
     @property
     def adapter(self):
-        return self.ctx.adapter
+        return self.runner.adapter
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.isin(tokens, self.eos)
@@ -159,16 +158,16 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
     ids, mask = state.seq[:, : state.prompt_len], state.mask
     if mask is None:
         mask = torch.ones_like(ids)
-    compiled = state.ctx.compiled
-    state.ctx.cache.reserve(state.capacity if compiled is None else compiled.capacity(state.capacity))
-    early, positions = forward_prompt(state.ctx, ids, mask, exit_layer)
-    out = forward_remainder(state.ctx, early.hidden, positions, exit_layer)
+    runner = state.runner
+    runner.cache.reserve(state.capacity if runner.compiled is None else runner.compiled.capacity(state.capacity))
+    early, positions = runner.prompt(ids, mask, exit_layer)
+    out = runner.remainder(early, positions, exit_layer)
     state.pos = mask.long().sum(-1)  # position of the first generated token
     state.prompt_positions, state.prefill_exit_layer = positions, exit_layer
     # layer-E and final-normed states of the whole prompt, (B, T0, H) each: only heads with a cache of their own
     # read them (in Drafter.begin, after which the loop drops them), so other drafters never hold them
-    state.prompt_hidden = (early.hidden, out.hidden) if state.keep_prompt_hidden else None
-    return state.process(out.logits(state.adapter, last_only=True).float())
+    state.prompt_hidden = (early, out) if state.keep_prompt_hidden else None
+    return state.process(state.adapter.logits(out[:, -1:]).float())
 
 
 def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_layer: int) -> Draft:
@@ -189,7 +188,7 @@ def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_
         if draft.hidden.shape[1] > tokens.shape[1] + 1:
             raise ValueError(f"Drafter {name!r} handed over {draft.hidden.shape[1]} hidden states for "
                              f"{tokens.shape[1] + 1} verify inputs (the pending token and the drafts).")
-        cache, top = state.ctx.cache, state.adapter.num_layers - 1
+        cache, top = state.runner.cache, state.adapter.num_layers - 1
         ran = cache.layer_length(0) - cache.layer_length(top)  # host ints: no sync
         if ran != draft.hidden.shape[1]:  # verification writes layers [0, E) of the inputs after them next
             raise ValueError(f"Drafter {name!r} left {ran} inputs of this step in layers [0, {exit_layer}) of the "
@@ -231,22 +230,24 @@ def _check_tree(state: DecodeState, name: str, draft: Draft) -> None:
 def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
     """Run the pending token and the drafts through the layers they have not seen; their final-normed states
     (B, k + 1, H), from which `choose` takes the logits it needs."""
-    base = state.ctx.cache.layer_length(state.adapter.num_layers - 1)  # slots of the verified prefix
+    runner = state.runner
+    base = runner.verified_len()  # slots of the verified prefix
     inputs = torch.cat([state.pending[:, None], draft.tokens], dim=1)
+    tree = None
     if draft.parents is None:
         positions = state.pos[:, None] + torch.arange(inputs.shape[1], device=state.device)
     else:  # the whole tree's mask, for the nodes the drafter did not run through [0, E) and for layers [E, L)
         ancestors = tree_ancestors(draft.parents, state.settings.max_draft_tokens)
-        state.ctx.slots.tree = (base, ancestors)
+        tree = (base, ancestors)
         positions = state.pos[:, None] + input_depths(ancestors)
     m = 0 if draft.hidden is None else draft.hidden.shape[1]
     hidden = draft.hidden
     if m < inputs.shape[1]:
-        fresh = forward_early(state.ctx, inputs[:, m:], positions[:, m:], exit_layer).hidden
+        fresh = runner.early(inputs[:, m:], positions[:, m:], exit_layer, tree=tree)
         hidden = fresh if hidden is None else torch.cat([hidden, fresh], dim=1)
-    out = forward_remainder(state.ctx, hidden, positions, exit_layer)
-    state.last_verify = VerifyStep(base, hidden, out.hidden, positions)
-    return out.hidden
+    out = runner.remainder(hidden, positions, exit_layer, tree=tree)
+    state.last_verify = VerifyStep(base, hidden, out, positions)
+    return out
 
 
 def choose(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
@@ -310,13 +311,12 @@ def _choose_path(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: i
 def follow_path(state: DecodeState, draft: Draft, path: torch.Tensor, base: int) -> Draft:
     """Turn a verified tree into the chain of its accepted path, (B, D + 1) verify inputs, root first: the path's
     KV moves to the front of the tree's slots in every layer, the slot table and the sequence get the path's
-    positions and tokens, and the tree mask is dropped. Entries past a row's accepted count are junk that rollback
+    positions and tokens. Entries past a row's accepted count are junk that rollback
     cuts. Returns the chain draft; its draft_len still counts the tree's nodes, for the stats."""
-    ctx = state.ctx
-    ctx.cache.gather_slots(base, path)
-    ctx.slots.tree = None
+    runner = state.runner
+    runner.cache.gather_slots(base, path)
     positions = state.pos[:, None] + torch.arange(path.shape[1], device=state.device)
-    ctx.slots.write(base, positions)
+    runner.slots.write(base, positions)
     tokens = draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0))  # (B, D)
     state.write_drafts(tokens)
     step = state.last_verify
@@ -395,36 +395,53 @@ def rollback(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Ten
     """Keep the verified inputs (pending + accepted drafts) of each row in the cache; the rest become holes.
     `accepted` is n on the host (emit fetched it), so the new length costs no device sync."""
     keep = n + 1
-    ctx = state.ctx
+    runner = state.runner
     new_len = base + max(accepted) + 1
-    ctx.slots.keep_prefix(base, keep, base + draft.k + 1)
-    ctx.cache.rollback(new_len)
+    runner.slots.keep_prefix(base, keep, base + draft.k + 1)
+    runner.cache.rollback(new_len)
     state.pos = state.pos + keep
     state.pending = token.masked_fill(state.finished, state.settings.pad_token_id)
 
 
-def speculative_decode(ctx: StepContext, drafter: Drafter, input_ids, attention_mask, settings: DecodeSettings):
+def speculative_decode(runner: Runner, drafter: Drafter, input_ids, attention_mask, settings: DecodeSettings):
     """Generate from (B, T0) left-padded `input_ids`. Returns (sequences (B, T0 + new), state, stats)."""
     stats = GenerationStats()
-    state = DecodeState(ctx, input_ids, attention_mask, settings)
+    state = DecodeState(runner, input_ids, attention_mask, settings)
     if settings.streamer is not None:
         settings.streamer.put(input_ids.cpu())
     try:
-        _decode_steps(ctx, drafter, state, settings, stats)
+        _decode_steps(drafter, state, settings, stats)
     finally:
         if settings.streamer is not None:  # a consumer thread must see the end, even after an error
             settings.streamer.end()
-        release_cache(ctx)
+        release_cache(runner)
     return _sequences(state), state, stats
 
 
-def release_cache(ctx: StepContext) -> None:
+def call_capacity(settings: DecodeSettings, prompt_len: int) -> int:
+    """Slots a call's longest row can need: its whole length, plus room for the widest draft in flight."""
+    widest = max(settings.max_draft_tokens, settings.copy_draft_tokens, settings.tree_size)
+    return max(settings.max_length, prompt_len) + widest + 2
+
+
+def slot_capacity(settings: DecodeSettings, batch: int, prompt_len: int) -> int:
+    """Slots the call's slot table can need. One row never leaves a hole, so it needs call_capacity. In a batch a
+    step's slots advance by the most any row kept, so rows that lead in turn use more slots than any row has
+    tokens; each step emits a token for every live row, so at most (widest draft + 1) slots a new token. A slot
+    costs one integer a row, so the table is made that large at once rather than grown during the call."""
+    if batch == 1:
+        return call_capacity(settings, prompt_len)
+    widest = max(settings.max_draft_tokens, settings.copy_draft_tokens, settings.tree_size)
+    return prompt_len + max(settings.max_length - prompt_len, 0) * (widest + 1) + widest + 2
+
+
+def release_cache(runner: Runner) -> None:
     """Free the call's KV buffers as soon as the last step is done (the state returned to the caller keeps only
     tokens and scores), and on a CPU hand the freed pages back to the system when they were many: glibc keeps
     freed heap pages mapped, which would leave a long prompt's cache counted in the process's memory."""
-    freed = sum(layer.allocated_bytes() for layer in ctx.cache.layers)
-    ctx.cache.reset()
-    if ctx.slots.pos.device.type == "cpu" and freed >= RETURN_TO_OS_BYTES:
+    freed = sum(layer.allocated_bytes() for layer in runner.cache.layers)
+    runner.cache.reset()
+    if runner.slots.pos.device.type == "cpu" and freed >= RETURN_TO_OS_BYTES:
         return_free_memory_to_os()
 
 
@@ -440,7 +457,7 @@ def return_free_memory_to_os() -> None:
         pass
 
 
-def _decode_steps(ctx, drafter, state, settings, stats) -> None:
+def _decode_steps(drafter, state, settings, stats) -> None:
     """Prefill, then draft -> verify -> emit -> rollback until every row has finished."""
     t0 = time.perf_counter()
     state.keep_prompt_hidden = drafter.needs_prompt_hidden
@@ -456,15 +473,15 @@ def _decode_steps(ctx, drafter, state, settings, stats) -> None:
     stats.prefill_seconds = time.perf_counter() - t0
     stats.new_tokens, stats.verify_steps = sum(step.counts), state.batch
     while not all(state.done):
-        _speculative_step(ctx, drafter, state, settings, stats)
+        _speculative_step(drafter, state, settings, stats)
 
 
-def _speculative_step(ctx, drafter, state, settings, stats) -> None:
+def _speculative_step(drafter, state, settings, stats) -> None:
     """One draft -> verify -> emit -> rollback round over the whole batch, with its stats."""
     state.step += 1
     k = draft_budget(settings.max_draft_tokens, state.remaining())
     state.copy_k = copy_budget(settings.copy_draft_tokens, k, state.remaining())
-    base = ctx.cache.layer_length(ctx.adapter.num_layers - 1)  # the verified prefix
+    base = state.runner.verified_len()
     t0 = time.perf_counter()
     draft = take_draft(state, drafter, guarded(state, drafter, drafter.propose, k), k, settings.exit_layer)
     if settings.timed:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .forward import forward_early, run_module
 
 
 class DraftView:
@@ -42,7 +41,7 @@ class DraftView:
     prompt_len = property(lambda self: self._state.prompt_len)
     do_sample = property(lambda self: self._state.do_sample)
     settings = property(lambda self: self._state.settings)
-    adapter = property(lambda self: self._state.ctx.adapter)
+    adapter = property(lambda self: self._state.runner.adapter)
     seq = property(lambda self: self._state.seq)
     seq_len = property(lambda self: self._state.seq_len)
     lengths = property(lambda self: tuple(self._state.lengths))
@@ -63,8 +62,7 @@ class DraftView:
     @property
     def verified_len(self) -> int:
         """Slots of the verified prefix in the shared cache (a host int)."""
-        state = self._state
-        return state.ctx.cache.layer_length(state.ctx.adapter.num_layers - 1)
+        return self._state.runner.verified_len()
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return self._state.is_eos(tokens)
@@ -93,30 +91,15 @@ class DraftView:
         cache, after the inputs run before them this step; returns their (B, T, H) layer-E states, which the draft
         hands over (Draft.hidden) so that verification skips those layers for them. `tree` (B, M, M): the ancestor
         matrix (trees.tree_ancestors) of the step's inputs so far, when they form a tree."""
-        with self._tree_mask(tree):
-            return forward_early(self._state.ctx, inputs, positions, exit_layer).hidden
+        return self._state.runner.early(inputs, positions, exit_layer, tree=self._tree(tree))
 
     def run_own_layer(self, layer, like: int, cache, hidden: torch.Tensor, positions: torch.Tensor,
                       tree: torch.Tensor | None = None) -> torch.Tensor:
         """A decoder layer of the drafter's own (a head's copy of layer `like`) on (B, T, H) states at (B, T)
-        positions, its KV in the drafter's own `cache`, masked by the loop's slot table (forward.run_module)."""
-        with self._tree_mask(tree):
-            return run_module(self._state.ctx, layer, like, cache, hidden, positions)
+        positions, its KV in the drafter's own `cache`, masked by the loop's slot table (Runner.own_layer)."""
+        return self._state.runner.own_layer(layer, like, cache, hidden, positions, tree=self._tree(tree))
 
-    def _tree_mask(self, tree):
-        return _TreeMask(self._state.ctx.slots, self.verified_len, tree)
-
-
-class _TreeMask:
-    """Sets the slot table's tree mask for one drafter call and clears it after (the loop sets its own to verify)."""
-
-    def __init__(self, slots, base: int, tree):
-        self.slots, self.base, self.tree = slots, base, tree
-
-    def __enter__(self):
-        if self.tree is not None:
-            self.slots.tree = (self.base, self.tree)
-
-    def __exit__(self, *exc):
-        if self.tree is not None:
-            self.slots.tree = None
+    def _tree(self, ancestors):
+        """The runner's tree mask for a step's inputs whose (B, M, M) ancestors are given: they start at the
+        verified prefix's end."""
+        return None if ancestors is None else (self.verified_len, ancestors)

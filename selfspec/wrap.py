@@ -13,15 +13,15 @@ from .arch import adapter_for
 from .attention import restore_attention, use_engine_attention
 from .cache import SlotTable, SpecCache
 from .config import SelfSpecConfig, config_file
-from .decoding import DecodeSettings, GenerationStats, speculative_decode
+from .decoding import DecodeSettings, GenerationStats, slot_capacity, speculative_decode
 from .drafters import build_drafter
 from .drafters.base import Drafter
 from .compiled import CompiledStep, compiler_missing, forget, step_for
-from .forward import StepContext
 from .heads import ExitHead
 from .hf import warn_once, wrapped_generate
 from .io import load_heads, placement, save_engine
 from .models import dtype_name
+from .runner import Runner
 
 
 class SelfSpecEngine:
@@ -37,7 +37,7 @@ class SelfSpecEngine:
         # tokenizers for the draft model's vocabulary check (given to wrap; a generate call's own take precedence)
         self.tokenizer = None  # the target's
         self.draft_tokenizer = None  # the draft model's, when it is not the target's
-        self._call_tokenizers = (None, None)
+        self.call_tokenizers = (None, None)  # a generate call's own, on that call's copy of the engine (for_call)
         # Stats of the last generate call; None when that call ran the plain generate (`last_fallback` says why)
         # or failed, so that stats of an earlier call are never shown as this one's.
         self.last_stats: GenerationStats | None = None
@@ -47,6 +47,16 @@ class SelfSpecEngine:
         self.timed = False
 
     # --- heads and drafters ----------------------------------------------------------------------
+    def for_call(self, do_sample: bool, tokenizers=None) -> "SelfSpecEngine":
+        """What one generate call decodes with: this engine (for_mode), or a shallow copy of it that holds the call's
+        own (target, draft) tokenizers; the engine itself is never written by a call."""
+        engine = self.for_mode(do_sample)
+        if tokenizers is None or all(t is None for t in tokenizers):
+            return engine
+        engine = copy.copy(engine)
+        engine.call_tokenizers = tuple(tokenizers)
+        return engine
+
     def for_mode(self, do_sample: bool) -> "SelfSpecEngine":
         """This engine, or for a sampled call whose config has settings of its own (config.sampling) a shallow copy
         that holds them: the same model, heads and draft model, another config."""
@@ -82,7 +92,7 @@ class SelfSpecEngine:
         """(target tokenizer, draft tokenizer) for the draft model's vocabulary check: those passed to the current
         generate call (`tokenizer=`, `assistant_tokenizer=`) first, else those given to wrap; None where unknown
         (a missing draft tokenizer means the draft model uses the target's)."""
-        tok, draft_tok = self._call_tokenizers
+        tok, draft_tok = self.call_tokenizers
         return (tok if tok is not None else self.tokenizer,
                 draft_tok if draft_tok is not None else self.draft_tokenizer)
 
@@ -161,20 +171,15 @@ class SelfSpecEngine:
         (`split_layer`). `tokenizers`: (target, draft) tokenizers of this call, for the draft model's vocabulary
         check."""
         self.last_stats = None  # a call that fails leaves no stats of an earlier one behind
-        self._call_tokenizers = tuple(tokenizers) if tokenizers is not None else (None, None)
-        try:
-            engine = self.for_mode(settings.do_sample)
-            drafter = engine.build_drafter()
-        finally:
-            self._call_tokenizers = (None, None)
+        engine = self.for_call(settings.do_sample, tokenizers)
+        drafter = engine.build_drafter()
         settings = engine.call_settings(drafter, settings)
         compiled = self.compiled_step(input_ids.device)
-        if compiled is not None:  # the full verify passes of this call's chains and trees run at their own size
-            compiled.fit(settings.max_draft_tokens + 1, settings.copy_draft_tokens + 1,
-                         settings.tree_size + 1 if settings.tree_top_k > 1 else 0)
-        ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
-                          SlotTable(input_ids.shape[0], input_ids.device), compiled)
-        sequences, state, stats = speculative_decode(ctx, drafter, input_ids, attention_mask, settings)
+        if compiled is not None:
+            self.fit_compiled(compiled, settings)
+        slots = SlotTable.for_prompt(input_ids, attention_mask, slot_capacity(settings, *input_ids.shape))
+        runner = Runner(self.adapter, SpecCache(self.adapter.num_layers), slots, compiled)
+        sequences, state, stats = speculative_decode(runner, drafter, input_ids, attention_mask, settings)
         self.last_stats = stats  # the state (and its KV cache) goes back to the caller only, never kept here
         return sequences, state
 
@@ -188,6 +193,19 @@ class SelfSpecEngine:
             warn_once(f"selfspec: compile=True, but {missing}; decoding runs eager.", stacklevel=5)
             return None
         return step_for(self.model, device)
+
+    @staticmethod
+    def fit_compiled(compiled: CompiledStep, settings: DecodeSettings) -> None:
+        """The full verify passes of a call's chains and trees run at their own size (CompiledStep.fit)."""
+        compiled.fit(settings.max_draft_tokens + 1, settings.copy_draft_tokens + 1,
+                     settings.tree_size + 1 if settings.tree_top_k > 1 else 0)
+
+    def warmup(self, batch_sizes=(1,), max_length: int = 2048, progress: bool = True) -> float:
+        """With compile=True, compile every pass shape this config makes for these batch sizes now, so that no
+        request compiles anything (warmup.py); returns the seconds it took (0 when decoding runs eager)."""
+        from .warmup import warm_up
+
+        return warm_up(self, batch_sizes, max_length, progress)
 
     def reset_compiled(self) -> None:
         """Drop the compiled graphs (they hold the weights as compiled): the next call compiles anew."""

@@ -363,3 +363,16 @@ def test_cli_end_to_end_on_a_saved_model(tmp_path, capsys):
     assert code == 0 and not greedy["meta"]["settings"]["sample"] and sampled["meta"]["settings"]["sample"]
     assert sampled["meta"]["settings"]["temperature"] == 0.7 and all(r["exact"] is None for r in sampled["records"])
     assert bench.main(["--sample", "--greedy-and-sampled"]) == 2
+
+
+def test_compiled_methods_are_warmed_up_and_compile_nothing_after():
+    """With --compile every selfspec method compiles its pass shapes before the first prompt (SelfSpecEngine.warmup),
+    so the prompts of every length after it compile nothing: Dynamo's frame counter and the compiled step's shapes
+    stand still, and the report says so."""
+    model = make_model("llama", 4, dtype=torch.float32)
+    work = bench.Workload([_batch(c, s, length=5 + 3 * s) for c in ("qa", "rag") for s in (1, 2)],
+                          warmup=_batch("warmup", 90), tune=[])
+    res = _run(model, workload=work, methods=("hf-greedy", "selfspec-ngram", "selfspec-hybrid"), compile=True)
+    assert set(res.setup["warm_up_seconds"]) == {"selfspec-ngram", "selfspec-hybrid"}
+    assert res.setup["compiled_after_warm_up"] == {"dynamo_frames": 0, "selfspec_shapes": 0}
+    assert all(row["exact"] == row["prompts"] for row in res.summary["overall"].values())

@@ -184,7 +184,7 @@ def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context, tree):
 
     def spy(self, state, draft, n):
         original(self, state, draft, n)
-        seen.update(cache=self.head_cache.cache, slots=state._state.ctx.slots.pos.clone(), n=seen.get("n", []) + [n])
+        seen.update(cache=self.head_cache.cache, slots=state._state.runner.slots.pos.clone(), n=seen.get("n", []) + [n])
 
     monkeypatch.setattr(EarlyExitDrafter, "accepted", spy)
     ids, mask = padded_batch(seed=7)

@@ -115,13 +115,13 @@ class CacheInvariant:
 
     @torch.no_grad()
     def check(self, state, n: torch.Tensor) -> None:
-        ctx, layers = state._state.ctx, state.adapter.num_layers  # the loop's own cache, behind the view
-        lengths = [ctx.cache.layer_length(i) for i in range(layers)]
+        runner, layers = state._state.runner, state.adapter.num_layers  # the loop's own cache, behind the view
+        lengths = [runner.cache.layer_length(i) for i in range(layers)]
         expected = self.base + int(n.max()) + 1
         if lengths != [expected] * layers:
             self.fail(f"layer lengths {lengths}, expected base {self.base} + max keep {int(n.max()) + 1} = "
                       f"{expected} in every layer")
-        slots = ctx.slots.view(expected)
+        slots = runner.slots.view(expected)
         mask = state.mask if state.mask is not None else torch.ones_like(state.seq[:, : state.prompt_len])
         for b in range(state.batch):
             if bool(state.finished[b]):
@@ -138,7 +138,7 @@ class CacheInvariant:
             fresh = getattr(out, "cache", None) or out.past_key_values
             for i in range(layers):
                 for kind in ("keys", "values"):
-                    got = getattr(ctx.cache.layers[i], kind)[b][:, live]
+                    got = getattr(runner.cache.layers[i], kind)[b][:, live]
                     want = getattr(fresh.layers[i], kind)[0]
                     if not torch.allclose(got, want, atol=self.atol, rtol=self.atol):
                         self.fail(f"row {b}, layer {i}: {kind} differ from a fresh forward of the verified tokens "
@@ -230,7 +230,7 @@ def _stale_kv_in_kept_slot(monkeypatch):
         shortened = length < self.length
         original(self, length)
         if shortened:
-            self._k[..., length - 1, :] += 0.5
+            self.buffers()[0][..., length - 1, :] += 0.5
 
     monkeypatch.setattr(SpecLayer, "truncate", stale)
 

@@ -7,6 +7,7 @@ changes nothing here. Each family overrides the few methods where it differs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 import weakref
@@ -41,11 +42,17 @@ class ArchAdapter:
                 f"attn_implementation='sdpa'."
             )
         self.attn_impl = impl
-        # Device of the token ids of the current decode call (set by forward.StepContext). Logits go back there:
-        # under an accelerate device map each module leaves its output on its own device.
+        # Set only on a decode call's copy (bound): where logits go back to (under an accelerate device map each
+        # module leaves its output on its own device), and the call's compiled step (compiled.py), None: eager.
         self.home: torch.device | None = None
-        # The compiled step of the current decode call (compiled.py; set by forward.StepContext), None: eager.
         self.compiled = None
+
+    def bound(self, home: torch.device, compiled=None) -> "ArchAdapter":
+        """This adapter for one decode call: a copy whose logits return to `home` and whose LM head and exit heads
+        run through `compiled` (None: eager). The model's own adapter stays as it is, so calls cannot meet."""
+        call = copy.copy(self)
+        call.home, call.compiled = home, compiled
+        return call
 
     # --- structure -------------------------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """Classic speculative decoding: a separate, smaller causal LM with the same vocabulary drafts the tokens.
 
-The draft model keeps a cache of its own (a `SpecCache` + `SlotTable` in a `StepContext` of its own, run through
-`forward_early` with exit_layer = its number of layers), in step with the verified prefix:
+The draft model keeps a cache of its own (a `SpecCache` + `SlotTable` in a `Runner` of its own, run through
+`Runner.early` with exit_layer = its number of layers), in step with the verified prefix:
 
 * `begin` prefills it with the prompt (same left padding, same positions as the verifier).
 * `propose` first feeds what the verifier has emitted since the draft model last saw the row (`fed` (B,) says how
@@ -18,13 +18,14 @@ sampling, so that rejection sampling is exact; greedy decoding drafts the proces
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ..arch import adapter_for
 from ..cache import SlotTable, SpecCache
-from ..forward import StepContext, forward_early, forward_prompt
+from ..runner import Runner
 from .base import Draft, Drafter, choose_draft
 
 
@@ -125,7 +126,7 @@ class DraftModelDrafter(Drafter):
         # ids the draft model can embed; the target's vocabulary size (set in begin): the two may differ by padding
         self.embed_rows = draft_model.get_input_embeddings().weight.shape[0]
         self.vocab: int | None = None
-        self.draft_ctx: StepContext | None = None
+        self.runner: Runner | None = None  # the draft model's passes over its own cache
         self.fed: torch.Tensor | None = None  # (B,) tokens of view.seq the draft cache holds, per row
         self.step: _Step | None = None
 
@@ -139,18 +140,18 @@ class DraftModelDrafter(Drafter):
     def _run(self, ids, positions, slot_positions=None) -> torch.Tensor:
         """All layers of the draft model on (B, T) tokens -> (B, T, V) float32 logits on the target's device."""
         dev = self.device
-        hidden = forward_early(self.draft_ctx, self._embeddable(ids), positions.to(dev), self.adapter.num_layers,
-                               None if slot_positions is None else slot_positions.to(dev)).hidden
+        hidden = self.runner.early(self._embeddable(ids), positions.to(dev), self.adapter.num_layers,
+                                   None if slot_positions is None else slot_positions.to(dev))
         logits = self.adapter.logits(self.adapter.final_norm(hidden[:, -1:])).float().to(ids.device)
         return _fit_vocab(logits, self.vocab)
 
     def begin(self, view) -> None:
         self.vocab = view.vocab_size
-        self.draft_ctx = StepContext(self.adapter, SpecCache(self.adapter.num_layers),
-                                     SlotTable(view.batch, self.device))
         mask = None if view.mask is None else view.mask.to(self.device)
+        prompt = self._embeddable(view.seq[:, : view.prompt_len])
+        self.runner = Runner(self.adapter, SpecCache(self.adapter.num_layers), SlotTable.for_prompt(prompt, mask))
         # the prompt enters the draft cache as it enters the verifier's: same positions, padding as holes
-        forward_prompt(self.draft_ctx, self._embeddable(view.seq[:, : view.prompt_len]), mask, self.adapter.num_layers)
+        self.runner.prompt(prompt, mask, self.adapter.num_layers)
         self.fed = torch.full_like(view.seq_len, view.prompt_len)
         self.step = None
 
@@ -171,7 +172,7 @@ class DraftModelDrafter(Drafter):
         if k == 0:
             self.step = None
             return Draft.empty(view.batch, view.device)
-        base = self.draft_ctx.cache.layer_length(0)
+        base = self.runner.cache.layer_length(0)
         logits, width = self._catch_up(view)
         active = ~view.finished
         draft_len = torch.zeros_like(view.seq_len)
@@ -198,8 +199,8 @@ class DraftModelDrafter(Drafter):
             return
         keep = torch.minimum(n, torch.full_like(n, step.fed_drafts)).to(self.device)
         start = step.base + step.block
-        self.draft_ctx.slots.keep_prefix(start, keep, start + step.fed_drafts)
-        self.draft_ctx.cache.rollback(start + int(keep.max()))
+        self.runner.slots.keep_prefix(start, keep, start + step.fed_drafts)
+        self.runner.cache.rollback(start + int(keep.max()))
         self.fed = step.seq_len + keep.to(view.device)
         self.step = None
 
@@ -215,16 +216,20 @@ def _fit_vocab(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, vocab - width), value=float("-inf"))
 
 
+# draft model -> (target, tokenizer, draft tokenizer) of the last check it passed: the check reads both vocabularies
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def from_engine(engine) -> DraftModelDrafter:
     """The registry's factory for drafter="model": the draft model the engine holds, checked against the target
-    (once per draft model and tokenizers; the engine remembers the verdict)."""
+    (once per draft model, target and tokenizers: _CHECKED remembers the pairs that passed)."""
     if engine.draft_model is None:
         raise ValueError('drafter="model" needs a draft model: selfspec.wrap(model, drafter=draft_model), or set '
                          'model.selfspec.draft_model = draft_model.')
     tokenizers = engine.draft_tokenizers() if hasattr(engine, "draft_tokenizers") else (None, None)
-    key = (engine.draft_model, *tokenizers)
-    checked = getattr(engine, "_draft_model_checked", None)
+    key = (engine.model, *tokenizers)
+    checked = _CHECKED.get(engine.draft_model)
     if checked is None or not all(a is b for a, b in zip(checked, key)):
         check_draft_model(engine.model, engine.draft_model, *tokenizers)
-        engine._draft_model_checked = key
+        _CHECKED[engine.draft_model] = key
     return DraftModelDrafter(engine.draft_model, engine.model, *tokenizers, checked=True)

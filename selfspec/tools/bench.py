@@ -224,6 +224,22 @@ class EngineMethod(Method):
         compiled = self.compile or h.cfg.compile
         return self._run_wrapped(h, batch, max_new, config.replace(compile=compiled), oracle_rows)
 
+    def warm_up(self, h, max_length: int) -> float:
+        """Compile every pass shape of this method's config before the first timed run (SelfSpecEngine.warmup);
+        seconds it took, 0 for a method that runs eager."""
+        import selfspec
+
+        config = self.config(h)
+        if not (self.compile or h.cfg.compile) or self.oracle:
+            return 0.0
+        selfspec.wrap(h.model, config.replace(compile=True))
+        try:
+            for head in (h.heads.values() if self.trained else ()):
+                h.model.selfspec.add_head(head)
+            return h.model.selfspec.warmup(max_length=max_length, progress=False)
+        finally:
+            selfspec.unwrap(h.model)
+
     def _run_wrapped(self, h, batch, max_new, config, oracle_rows) -> Outcome:
         import selfspec
         from ..drafters.oracle import OracleDrafter
@@ -603,7 +619,10 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
     h.bound_oracle(registry, names)
     for name, why in skipped.items():
         _log(f"note: skipping {name}: {why}")
+    longest = max(b.input_ids.shape[1] for b in [workload.warmup, *workload.batches]) + cfg.max_new_tokens
+    warm_up = {n: registry[n].warm_up(h, longest) for n in names if isinstance(registry[n], EngineMethod)}
     run_batch(h, registry, names, workload.warmup, cfg.warmup_tokens)
+    compiled_before = compiled_so_far(model)
     tuning = {}
     if "hf-early-exit" in names:
         candidates = hf_exit_candidates(cfg, h.num_layers, h.base_config.exit_layer)
@@ -638,10 +657,25 @@ def run_bench(model, workload: Workload, cfg: BenchConfig, pad_id: int, eos_ids:
              "num_layers": h.num_layers, "skipped_methods": skipped,
              "engine_settings": {n: engine_settings(registry[n].config(h))
                                  for n in names if isinstance(registry[n], EngineMethod)},
-             "methods": {n: registry[n].description for n in names}}
+             "methods": {n: registry[n].description for n in names},
+             "warm_up_seconds": {n: round(s, 1) for n, s in warm_up.items() if s},
+             "compiled_after_warm_up": _difference(compiled_so_far(model), compiled_before)}
     mismatches = [{"method": r.method, "category": r.category, **m} for r in records for m in r.mismatches]
     return BenchResult(names, records, summarize(records, names, categories), setup, mismatches,
                        time.perf_counter() - start, stopped, interrupted)
+
+
+def compiled_so_far(model) -> dict:
+    """Graphs Dynamo has compiled in this process, and pass shapes selfspec's compiled step has met for `model`."""
+    from torch._dynamo.utils import counters
+
+    from ..compiled import shapes_seen
+
+    return {"dynamo_frames": counters["frames"]["ok"], "selfspec_shapes": shapes_seen(model)}
+
+
+def _difference(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
 
 
 def engine_settings(config: SelfSpecConfig) -> str:

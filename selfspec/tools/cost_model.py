@@ -25,8 +25,8 @@ from ..cache import SlotTable, SpecCache
 from ..drafters.base import ConfidenceRule
 from ..draft_length import chain_may_draft, copies
 from ..drafters.early_exit import EarlyExitDrafter
-from ..forward import StepContext, forward_early, forward_prompt
 from ..heads import teacher_forced_candidates, teacher_forced_copy_logits, teacher_forced_logits
+from ..runner import Runner
 from .measure import fastest
 from .replay import accepted_drafts, replay_greedy
 
@@ -154,22 +154,22 @@ class Timings:
         return dict(self.__dict__, head={str(k): v for k, v in self.head.items()})
 
 
-def _prefilled_context(adapter, prompt: torch.Tensor) -> StepContext:
+def _prefilled_context(adapter, prompt: torch.Tensor) -> Runner:
     """A fresh shared cache holding `prompt` (1, P) in every layer, as after the engine's prefill."""
-    ctx = StepContext(adapter, SpecCache(adapter.num_layers), SlotTable(1, prompt.device))
-    forward_prompt(ctx, prompt, None, adapter.num_layers)  # the engine's own prefill of the layers
-    return ctx
+    runner = Runner(adapter, SpecCache(adapter.num_layers), SlotTable(1, prompt.device))
+    runner.prompt(prompt, None, adapter.num_layers)  # the engine's own prefill of the layers
+    return runner
 
 
-def _time_tokens_through(ctx: StepContext, prompt: torch.Tensor, tokens: int, layers: int, repeats: int) -> float:
+def _time_tokens_through(runner: Runner, prompt: torch.Tensor, tokens: int, layers: int, repeats: int) -> float:
     """Seconds to run `tokens` new tokens through layers [0, layers) on top of the prompt, then roll back."""
     p = prompt.shape[1]
     ids = prompt[:, :tokens] if prompt.shape[1] >= tokens else prompt[:, :1].expand(1, tokens)
     positions = p + torch.arange(tokens, device=prompt.device)[None, :]
 
     def step():
-        forward_early(ctx, ids, positions, layers)
-        ctx.cache.rollback(p)
+        runner.early(ids, positions, layers)
+        runner.cache.rollback(p)
 
     return fastest(step, prompt.device, repeats)
 
@@ -180,11 +180,11 @@ def measure_timings(engine, prompts: list[torch.Tensor], exit_layers: list[int],
     """Time the pieces of a decode step with the engine's own forward on the first prompt's cache."""
     adapter, device = engine.adapter, prompts[0].device
     num_layers = adapter.num_layers
-    ctx = _prefilled_context(adapter, prompts[0])
-    all_layers = [0.0] + [_time_tokens_through(ctx, prompts[0], t, num_layers, repeats)
+    runner = _prefilled_context(adapter, prompts[0])
+    all_layers = [0.0] + [_time_tokens_through(runner, prompts[0], t, num_layers, repeats)
                           for t in range(1, max_tokens + 1)]
-    embed = max(0.0, 2 * _time_tokens_through(ctx, prompts[0], 1, 1, repeats) - _time_tokens_through(
-        ctx, prompts[0], 1, 2, repeats))  # t(1 layer) = e + l, t(2 layers) = e + 2l  =>  e = 2 t1 - t2
+    embed = max(0.0, 2 * _time_tokens_through(runner, prompts[0], 1, 1, repeats) - _time_tokens_through(
+        runner, prompts[0], 1, 2, repeats))  # t(1 layer) = e + l, t(2 layers) = e + 2l  =>  e = 2 t1 - t2
     layer = [0.0] + [max(all_layers[t] - embed, 0.0) / num_layers for t in range(1, max_tokens + 1)]
     hidden = torch.zeros(1, max_tokens, adapter.hidden_size, dtype=_dtype_of(adapter), device=device)
     lm_head = [0.0] + [fastest(lambda t=t: adapter.logits(adapter.final_norm(hidden[:, :t])).float().argmax(-1),

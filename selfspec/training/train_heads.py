@@ -317,7 +317,7 @@ def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_
 def head_chunks(head, rows, key, adapter, chunk):
     """(rows slice, the head's (N, V_d) logits there) over the held-out rows, `chunk` at a time."""
     for i in range(0, len(rows["teacher_top1"]), chunk):
-        h = rows[key][i : i + chunk].to(head_device(head), head_dtype(head))
+        h = rows[key][i : i + chunk].to(head_device(head, adapter), head_dtype(head, adapter))
         prev = rows["prev.final"][i : i + chunk].to(h.device, h.dtype) if head.reads_top else None
         yield slice(i, i + chunk), head(h, adapter, prev)
 
@@ -340,7 +340,7 @@ def sampling_agreement(head, rows, key, adapter, temperature: float = 1.0, chunk
     total = 0.0
     for part, logits in head_chunks(head, rows, key, adapter, chunk):
         q = torch.softmax(logits.float() / temperature, dim=-1)  # (N, V_d)
-        final = rows["hidden.final"][part].to(logits.device, head_dtype(head))
+        final = rows["hidden.final"][part].to(logits.device, head_dtype(head, adapter))
         p = torch.softmax(adapter.logits(final).float() / temperature, dim=-1)  # (N, V)
         if head.vocab_ids is not None:
             p = p[:, head.vocab_ids.to(p.device)]
@@ -379,7 +379,7 @@ def pad_batch(seqs: list[dict], key: str, device, dtype):
 
 def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0):
     """Head logits and teacher data at the answer rows of a batch of sequences: (N, V_d), (N, H), (N,)."""
-    dtype = head_dtype(head)
+    dtype = head_dtype(head, adapter)
     early, lengths = pad_batch(seqs, f"hidden.{head.exit_layer}", cfg.device, dtype)
     final, _ = pad_batch(seqs, "hidden.final", cfg.device, dtype)
     loss_rows, _ = pad_batch(seqs, "loss", cfg.device, None)
@@ -400,13 +400,17 @@ def attention_agreement(head, seqs, adapter, cfg, round_len=1) -> float:
     return hits / max(1, total)
 
 
-def head_device(head):
-    return next(iter(head.parameters()), torch.empty(0)).device if list(head.parameters()) else torch.device("cpu")
-
-
-def head_dtype(head):
+def head_device(head, adapter):
+    """Where the head runs: its weights' device, or for a parameterless head (the plain exit: the final norm and
+    the LM head) the LM head's."""
     params = list(head.parameters())
-    return params[0].dtype if params else torch.float32
+    return params[0].device if params else adapter.lm_head.weight.device
+
+
+def head_dtype(head, adapter):
+    """The head's weights' dtype, or for the parameterless plain exit the model's (the LM head's)."""
+    params = list(head.parameters())
+    return params[0].dtype if params else adapter.lm_head.weight.dtype
 
 
 def refuse_tensor_parallel(model=None) -> None:
