@@ -133,9 +133,13 @@ def forget(model) -> None:
     torch._dynamo.reset()
 
 
-def shapes_seen(model) -> int:
-    """Pass shapes this model's compiled steps have compiled so far, on every device (recompiles included)."""
-    return sum(len(step._seen) + step.recompiles for step in _STEPS.get(model, {}).values())
+def compiled_so_far(model) -> dict:
+    """Graphs Dynamo has compiled in this process, and pass shapes this model's compiled steps have met on every
+    device (recompiles included): what a bench reads before and after its timed runs."""
+    from torch._dynamo.utils import counters
+
+    shapes = sum(len(step._seen) + step.recompiles for step in _STEPS.get(model, {}).values())
+    return {"dynamo_frames": counters["frames"]["ok"], "selfspec_shapes": shapes}
 
 
 def warmup_seconds(model) -> float:

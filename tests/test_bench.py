@@ -14,7 +14,7 @@ import selfspec
 from conftest import make_model, padded_batch, prompt
 from selfspec.drafters.oracle import OracleDrafter
 from selfspec.signals import sigterm_as_interrupt
-from selfspec.tools import bench, measure
+from selfspec.tools import bench, bench_methods, bench_report, measure, report
 
 EOS = 2
 SMALL = dict(model="tiny-llama", exit_layer=2, max_draft_tokens=4, max_new_tokens=12, warmup_tokens=4, tune_tokens=4)
@@ -52,7 +52,7 @@ def result(model):
 
 
 def test_every_method_runs_on_every_prompt_and_matches_hf_greedy(result):
-    expected = list(bench.default_methods())
+    expected = list(bench_methods.default_methods())
     assert result.names == expected and "oracle" in expected and "hf-early-exit" in expected
     for name in expected:
         mine = [r for r in result.records if r.method == name]
@@ -79,7 +79,7 @@ def test_acceptance_columns_mean_what_they_say(result):
     assert overall["hf-early-exit"]["mean_accepted"] > 1.0  # HF's candidates are counted too
 
 
-class Perturbed(bench.HFMethod):
+class Perturbed(bench_methods.HFMethod):
     """hf-greedy with one token changed: a planted mismatch."""
 
     def run(self, h, batch, reference, max_new):
@@ -89,7 +89,7 @@ class Perturbed(bench.HFMethod):
 
 
 def test_planted_mismatch_is_reported_loudly(model, capsys, tmp_path):
-    registry = {**bench.METHODS, "perturbed": Perturbed("hf-greedy with its last token changed")}
+    registry = {**bench_methods.METHODS, "perturbed": Perturbed("hf-greedy with its last token changed")}
     res = _run(model, registry, methods=("hf-greedy", "perturbed", "selfspec-untrained"))
     bad = [r for r in res.records if r.method == "perturbed"]
     assert bad and all(r.exact is False and r.mismatches and r.outputs for r in bad)
@@ -101,13 +101,13 @@ def test_planted_mismatch_is_reported_loudly(model, capsys, tmp_path):
     assert res.summary["overall"]["perturbed"]["differs"] == 4
     assert "!! DIFFERS: perturbed parts from hf-greedy" in capsys.readouterr().err
     cfg = bench.BenchConfig(**SMALL)
-    paths = bench.write_outputs(res, _meta(cfg), tmp_path)
+    paths = bench_report.write_outputs(res, _meta(cfg), tmp_path)
     text = paths["md"].read_text()
     assert "4 DIFFER(S)" in text and "**0 / 0 / 4 DIFFERS**" in text
     assert json.loads(paths["json"].read_text())["mismatches"][0]["method"] == "perturbed"
 
 
-class PerturbedTree(bench.EngineMethod):
+class PerturbedTree(bench_methods.EngineMethod):
     """selfspec-tree with one token changed, so that its output is judged."""
 
     def run(self, h, batch, reference, max_new):
@@ -127,18 +127,18 @@ def test_each_method_is_judged_against_its_own_verify_pass(model, monkeypatch):
 
     judge = bench.judge
     monkeypatch.setattr(bench, "judge", spy)
-    registry = {**bench.METHODS, "perturbed": Perturbed("hf-greedy, changed"),
+    registry = {**bench_methods.METHODS, "perturbed": Perturbed("hf-greedy, changed"),
                 "perturbed-tree": PerturbedTree("selfspec-tree, changed", "early_exit", tree=True)}
     _run(model, registry, methods=("hf-greedy", "perturbed-tree"))
-    assert chunks and set(chunks) == {bench.DEFAULT_TREE["draft_tree_size"] + 1}, chunks
+    assert chunks and set(chunks) == {bench_methods.DEFAULT_TREE["draft_tree_size"] + 1}, chunks
     chunks.clear()
     _run(model, registry, methods=("hf-greedy", "perturbed"))
     assert set(chunks) == {SMALL["max_draft_tokens"] + 1}, chunks
     h = bench.Harness(model, bench.BenchConfig(**SMALL), pad_id=0, eos_ids=[EOS])
-    assert bench.METHODS["hf-prompt-lookup"].verify_chunk(h) == h.cfg.prompt_lookup_tokens + 1
+    assert bench_methods.METHODS["hf-prompt-lookup"].verify_chunk(h) == h.cfg.prompt_lookup_tokens + 1
 
 
-class Terminating(bench.HFMethod):
+class Terminating(bench_methods.HFMethod):
     """hf-greedy that sends its own process SIGTERM (what `timeout` sends) when it reaches the prompt `at`."""
 
     def __init__(self, at: str):
@@ -152,7 +152,7 @@ class Terminating(bench.HFMethod):
 
 
 def test_a_run_stopped_by_sigterm_reports_the_prompts_every_method_finished(model, tmp_path):
-    registry = {**bench.METHODS, "stopper": Terminating(at="rag-10")}
+    registry = {**bench_methods.METHODS, "stopper": Terminating(at="rag-10")}
     with sigterm_as_interrupt():
         res = _run(model, registry, methods=("hf-greedy", "selfspec-untrained", "stopper"))
     assert res.stopped == "stopped by an interrupt after 2 of 4 batches"
@@ -160,18 +160,18 @@ def test_a_run_stopped_by_sigterm_reports_the_prompts_every_method_finished(mode
     assert sorted((r.method, r.question_ids[0]) for r in res.records) == sorted(
         (m, q) for m in ("hf-greedy", "selfspec-untrained", "stopper") for q in ("qa-0", "qa-1"))
     assert set(res.summary) == {"qa", "overall"} and res.summary["overall"]["hf-greedy"]["prompts"] == 2
-    paths = bench.write_outputs(res, _meta(bench.BenchConfig(**SMALL)), tmp_path)
+    paths = bench_report.write_outputs(res, _meta(bench.BenchConfig(**SMALL)), tmp_path)
     assert "**stopped by an interrupt after 2 of 4 batches**" in paths["md"].read_text()
     assert json.loads(paths["json"].read_text())["stopped"] == res.stopped
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
     # stopped before any batch is done: nothing to report, the interrupt goes on
     with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
-        _run(model, {**bench.METHODS, "stopper": Terminating(at="qa-0")}, methods=("hf-greedy", "stopper"))
+        _run(model, {**bench_methods.METHODS, "stopper": Terminating(at="qa-0")}, methods=("hf-greedy", "stopper"))
 
 
 def test_outputs_written(result, tmp_path):
     cfg = bench.BenchConfig(**SMALL)
-    paths = bench.write_outputs(result, _meta(cfg), tmp_path / "out")
+    paths = bench_report.write_outputs(result, _meta(cfg), tmp_path / "out")
     data = json.loads(paths["json"].read_text())
     assert {"meta", "setup", "summary", "records", "mismatches"} <= set(data)
     assert data["meta"]["machine"]["cores"] >= 1 and data["meta"]["versions"]["torch"] == torch.__version__
@@ -232,7 +232,7 @@ def test_heads_dir_feeds_the_selfspec_method(model, tmp_path):
     assert not res.mismatches  # a bad head costs speed, never tokens
     drafted = {n: [(r.drafted, r.accepted) for r in res.records if r.method == n] for n in res.names}
     assert drafted["selfspec"] != drafted["selfspec-untrained"]
-    # the same head drafting trees (bench.DEFAULT_TREE, no calibrated tree here): more drafts per pass
+    # the same head drafting trees (bench_methods.DEFAULT_TREE, no calibrated tree here): more drafts per pass
     assert sum(d for d, _ in drafted["selfspec-tree"]) > 2 * sum(d for d, _ in drafted["selfspec"])
     assert "trees of top-4, 16 nodes" in res.setup["engine_settings"]["selfspec-tree"]
 
@@ -271,7 +271,7 @@ def test_no_heads_method_runs_what_wrap_runs_without_heads(model, tmp_path):
     with pytest.warns(UserWarning, match="no trained exit heads"):
         selfspec.wrap(model)
     try:
-        default = bench.engine_settings(model.selfspec.config)
+        default = bench_methods.engine_settings(model.selfspec.config)
     finally:
         selfspec.unwrap(model)
     settings = res.setup["engine_settings"]
@@ -284,7 +284,7 @@ def test_sampling_mode_reports_speed_not_exactness(model):
                top_p=0.9)
     assert all(r.exact is None for r in res.records)
     assert res.summary["overall"]["selfspec-untrained"]["exact"] is None
-    assert "n/a" in bench.markdown_table(res.summary["overall"])
+    assert "n/a" in report.markdown_table(res.summary["overall"])
 
 
 def test_bad_input_gets_clear_errors(model):
@@ -299,8 +299,8 @@ def test_bad_input_gets_clear_errors(model):
 
 
 def test_sampling_words_name_top_p():
-    assert bench._sampling_words({"temperature": 0.7, "top_p": 0.9}) == "sampling, temperature 0.7, top-p 0.9"
-    assert bench._sampling_words({"temperature": 1.0}) == "sampling, temperature 1.0"  # older results
+    assert bench_report._sampling_words({"temperature": 0.7, "top_p": 0.9}) == "sampling, temperature 0.7, top-p 0.9"
+    assert bench_report._sampling_words({"temperature": 1.0}) == "sampling, temperature 1.0"  # older results
 
 
 def test_help_works(capsys):

@@ -51,7 +51,7 @@ def test_a_role_plain_dialogue_has_no_name_for_is_refused(base):
 def test_the_bench_and_the_collection_render_a_base_models_prompts_alike(base):
     """The bench's prompt, a calibration prompt and an on-policy collection prompt are the same ids."""
     from selfspec.tools.bench import encode
-    from selfspec.training.collect import Job, encode_prompts
+    from selfspec.training.answers import Job, encode_prompts
 
     job = Job(0, "sharegpt", 1, 0, [{"role": "user", "content": "Name a fruit."}])
     encode_prompts(base, [job])

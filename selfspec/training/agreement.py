@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from selfspec.training.collect import load_config, load_model, model_fingerprint
+from selfspec.training.shards import load_config, load_model, model_fingerprint
 
 RUN_CAP = 8
 

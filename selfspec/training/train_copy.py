@@ -142,7 +142,7 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool, vocab_size:
     each token is the full model's next token on all answer rows of the training sequences."""
     from safetensors import safe_open
 
-    from .train_heads import held_out_sequences, previous_rows, shard_rows
+    from .rows import held_out_sequences, previous_rows, shard_rows
 
     shards = sorted(os.path.join(cfg.data_dir, f) for f in os.listdir(cfg.data_dir) if f.endswith(".safetensors"))
     if not shards:

@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from .rows import load_rows, load_sequences, pad_batch
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,83 +135,6 @@ def load_config(argv) -> TrainConfig:
         raise SystemExit(f"--unroll {cfg.unroll}: must be >= 1, and above 1 only for --head mlp --context top "
                          "(the head that reads its own estimate of the previous state).")
     return cfg
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# data: rows whose target is a response token; whole sequences held out for evaluation
-def load_rows(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int, prev_top: bool = False):
-    """(train, held, manifest): rows whose target is an answer token, as dicts of (N, ...) tensors. With `prev_top`,
-    "prev.final" holds each row's previous row's final state (zeros at a sequence's first row), a top-reading MLP
-    head's input. Two passes over the shards: the first reads only their small per-row keys to size the result,
-    the second copies one key of one shard at a time into it, so the peak stays near the result's own size (a
-    job ten times this project's fits a GPU machine's host memory)."""
-    from safetensors import safe_open
-
-    manifest = json.load(open(os.path.join(data_dir, "manifest.json")))
-    missing = [e for e in exit_layers if e not in manifest["exit_layers"]]
-    if missing:
-        raise ValueError(f"exit layers {missing} were not collected (have {manifest['exit_layers']}); "
-                         "add them to collect.exit_layers and rerun train.collect.")
-    shards = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"No shards in {data_dir!r}: run python -m train.collect first.")
-    plans = [shard_rows(path) for path in shards]  # (keep (R,) bool, seq of each kept row, sequence count)
-    seq_base = torch.cumsum(torch.tensor([0] + [n for _, _, n in plans]), 0)
-    held_seqs = held_out_sequences(int(seq_base[-1]), holdout_fraction, seed)
-    is_held = [torch.isin(seq + base, held_seqs) for (_, seq, _), base in zip(plans, seq_base.tolist())]
-    n_held = sum(int(h.sum()) for h in is_held)
-    n_train = sum(len(h) for h in is_held) - n_held
-    keys = [f"hidden.{e}" for e in exit_layers] + ["hidden.final", "target_ids", "teacher_top1"]
-    train, held = {}, {}
-    with safe_open(shards[0], "pt") as f:  # every shard holds the same keys, dtypes and widths
-        for k in keys:
-            row = f.get_slice(k)[:1]  # one row: its width and dtype, without reading the key
-            train[k], held[k] = row.new_empty(n_train, *row.shape[1:]), row.new_empty(n_held, *row.shape[1:])
-    if prev_top:
-        train["prev.final"], held["prev.final"] = torch.empty_like(train["hidden.final"]), torch.empty_like(
-            held["hidden.final"])
-    train["seq"], held["seq"] = torch.empty(n_train, dtype=torch.long), torch.empty(n_held, dtype=torch.long)
-    at_train = at_held = 0
-    for path, (keep, seq, _), base, h in zip(shards, plans, seq_base.tolist(), is_held):
-        columns = {"seq": seq + base}
-        with safe_open(path, "pt") as f:
-            for k in keys:
-                column = f.get_tensor(k)
-                columns[k] = column[keep]
-                if prev_top and k == "hidden.final":
-                    columns["prev.final"] = previous_rows(column, f.get_tensor("seq_offsets"))[keep]
-                del column
-        n_h = int(h.sum())
-        for k, column in columns.items():
-            train[k][at_train : at_train + len(h) - n_h] = column[~h]
-            held[k][at_held : at_held + n_h] = column[h]
-        at_train, at_held = at_train + len(h) - n_h, at_held + n_h
-    return train, held, manifest
-
-
-def shard_rows(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(keep, seq, n_seqs) of one shard from its small keys only: keep (R,) marks rows whose target is an answer
-    token (the last prompt row predicts the first one), seq the shard-local sequence of each kept row."""
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        offsets, prompt_len, positions = (f.get_tensor(k) for k in ("seq_offsets", "seq_prompt_len", "positions"))
-    seq_of_row = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
-    keep = positions >= prompt_len[seq_of_row] - 1
-    return keep, seq_of_row[keep], len(offsets) - 1
-
-
-def previous_rows(final: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """(R, H) each row's previous row's state within its sequence, zeros at a sequence's first row."""
-    prev = torch.cat([torch.zeros_like(final[:1]), final[:-1]])
-    prev[offsets[:-1]] = 0
-    return prev
-
-
-def held_out_sequences(n_seqs: int, fraction: float, seed: int) -> torch.Tensor:
-    """Indices of the sequences kept out of training (at least one), the same for row and sequence loading."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(n_seqs, generator=g)[: max(1, int(n_seqs * fraction))]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -348,35 +273,6 @@ def sampling_agreement(head, rows, key, adapter, temperature: float = 1.0, chunk
     return total / max(1, len(rows["teacher_top1"]))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# attention heads read whole sequences: the 32 stored prompt positions as context, loss on the answer rows
-def load_sequences(data_dir: str, exit_layers: list[int], holdout_fraction: float, seed: int):
-    """(train, held) lists of per-sequence dicts of (T, ...) tensors, split by the same seed as load_rows."""
-    keys = [f"hidden.{e}" for e in exit_layers] + ["hidden.final", "teacher_top1"]
-    seqs = []
-    for name in sorted(f for f in os.listdir(data_dir) if f.endswith(".safetensors")):
-        path = os.path.join(data_dir, name)
-        answer_rows, _, _ = shard_rows(path)  # the rows load_rows keeps: those predicting an answer token
-        shard = load_file(path)
-        offsets = shard["seq_offsets"].tolist()
-        for i in range(len(offsets) - 1):
-            rows = slice(offsets[i], offsets[i + 1])
-            seq = {k: shard[k][rows] for k in keys}
-            seq["loss"] = answer_rows[rows]
-            seqs.append(seq)
-    held = set(held_out_sequences(len(seqs), holdout_fraction, seed).tolist())
-    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
-
-
-def pad_batch(seqs: list[dict], key: str, device, dtype):
-    """Right-pad one key of several sequences: (B, T, ...) and lengths (B,)."""
-    lengths = torch.tensor([len(s[key]) for s in seqs])
-    out = torch.zeros(len(seqs), int(lengths.max()), *seqs[0][key].shape[1:], dtype=seqs[0][key].dtype)
-    for b, s in enumerate(seqs):
-        out[b, : len(s[key])] = s[key]
-    return out.to(device, dtype if out.is_floating_point() else None), lengths.to(device)
-
-
 def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0):
     """Head logits and teacher data at the answer rows of a batch of sequences: (N, V_d), (N, H), (N,)."""
     dtype = head_dtype(head, adapter)
@@ -433,17 +329,10 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, cfg.dtype)
 
-    import selfspec
-    from selfspec.heads import AttentionHead, ExitHead, MLPHead, frequent_token_ids
-    from selfspec.models import resolve_model
-    from selfspec.tools.measure import eos_ids_of
+    from selfspec.heads import ExitHead
     from tqdm import tqdm
 
-    # the frozen base model, reached through its adapter (final norm + LM head shared with the heads)
-    model, tok = resolve_model(cfg.model or "smollm2-135m", dtype=dtype, device=cfg.device)
-    refuse_tensor_parallel(model)
-    model.requires_grad_(False)
-    selfspec.wrap(model, exit_layer=cfg.exit_layers[0])
+    model, tok = frozen_model(cfg, dtype)
     adapter = model.selfspec.adapter
 
     mlp_top = cfg.head == "mlp" and cfg.context == "top"
@@ -452,35 +341,10 @@ def main(argv=None) -> int:
     n = len(train_rows["target_ids"])
     print(f"{n} training rows, {len(held_rows['target_ids'])} held-out rows, exit layers {cfg.exit_layers}")
 
-    # draft vocabulary: the most frequent response tokens of the training data, plus the stop tokens
-    vocab_ids = None
-    if cfg.draft_vocab_size:
-        stops = eos_ids_of(model, tok)
-        vocab_ids = frequent_token_ids(train_rows["target_ids"], cfg.draft_vocab_size, stops).to(cfg.device)
-        covered = torch.isin(held_rows["teacher_top1"].long(), vocab_ids.cpu()).float().mean()
-        print(f"draft vocabulary {len(vocab_ids)} tokens covers {covered:.1%} of held-out teacher top-1")
-    # resuming: the draft vocabulary is the one the checkpoint was trained with (the data may have grown since)
     ckpt = os.path.join(cfg.out_dir, "checkpoint.safetensors")
     resuming = os.path.isfile(ckpt)
-    if resuming and vocab_ids is not None:
-        vocab_ids = checkpoint_vocab(ckpt).to(cfg.device)
-    vocab_index = torch.full((adapter.vocab_size,), -1, dtype=torch.long, device=cfg.device)
-    if vocab_ids is not None:
-        vocab_index[vocab_ids] = torch.arange(len(vocab_ids), device=cfg.device)
-    else:
-        vocab_index = torch.arange(adapter.vocab_size, device=cfg.device)
-
-    if cfg.head == "attn":  # a copy of the exit layer (or source_layer) with its own KV cache
-        heads = {e: AttentionHead.from_model(adapter, e, cfg.source_layer, cfg.context, vocab_ids).to(cfg.device, dtype)
-                 for e in cfg.exit_layers}
-        train_seqs, held_seqs = load_sequences(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
-        measure = lambda e, h: attention_agreement(h, held_seqs, adapter, cfg)  # noqa: E731
-    elif cfg.head == "mlp":
-        heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids, context=cfg.context).to(cfg.device, dtype)
-                 for e in cfg.exit_layers}
-        measure = lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter)  # noqa: E731
-    else:
-        raise ValueError(f"train.head must be 'mlp' or 'attn', got {cfg.head!r}.")
+    vocab_ids, vocab_index = draft_vocabulary(cfg, model, tok, train_rows, held_rows, ckpt if resuming else None)
+    heads, measure, train_seqs = build_heads(cfg, adapter, vocab_ids, dtype, held_rows)
     t_measure = time.time()
     baseline = {e: agreement(ExitHead(e, vocab_ids), held_rows, f"hidden.{e}", adapter) for e in cfg.exit_layers}
     # what the end costs (held-out and sampled agreement, saving) is kept out of the steps' share of a budget
@@ -495,7 +359,6 @@ def main(argv=None) -> int:
     if resuming:
         start, cfg.steps = load_checkpoint(ckpt, heads, opt, cfg.device)
         print(f"resumed at step {start} of {cfg.steps}")
-    probe = cfg.time_budget > 0
 
     g = torch.Generator().manual_seed(cfg.seed + start)
     starts = unroll_starts(train_rows["seq"], cfg.unroll)  # every row when unroll is 1
@@ -508,31 +371,14 @@ def main(argv=None) -> int:
     while step < cfg.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        if cfg.head == "attn":  # whole sequences; "top" heads see draft rounds of a random length and phase
-            batch = [train_seqs[i] for i in torch.randint(0, len(train_seqs), (cfg.seq_batch,), generator=g)]
-            round_len = int(torch.randint(1, cfg.round_len_max + 1, (1,), generator=g))
-            offset = int(torch.randint(0, round_len, (1,), generator=g))
-            loss = sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset), adapter, vocab_ids,
-                                     vocab_index, cfg.ce_weight) for h in heads.values())
-        else:  # rows, or runs of consecutive rows (--unroll) drafted as the loop drafts them
-            idx = starts[torch.randint(0, len(starts), (cfg.batch_size,), generator=g)]
-            loss = sum(unrolled_loss(h, train_rows, idx, f"hidden.{e}", adapter, vocab_ids, vocab_index,
-                                     cfg.ce_weight, cfg.device, dtype, cfg.unroll) for e, h in heads.items())
+        loss = batch_loss(cfg, heads, adapter, (train_seqs if cfg.head == "attn" else train_rows), starts, g,
+                          vocab_ids, vocab_index, dtype)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         bar.update()
         bar.set_postfix(loss=f"{loss.item() / len(heads):.3f}")
-        if probe and step + 1 == start + PROBE_STEPS:  # the budget decides the total, and so the lr schedule
-            spent = time.time() - t0
-            cfg.steps = steps_within(deadline - t0, spent, step + 1, spent / PROBE_STEPS, cfg.steps)
-            cfg.warmup = min(cfg.warmup, max(1, cfg.steps // 10))
-            bar.total = cfg.steps
-            tqdm.write(f"time budget {cfg.time_budget:.0f} s: {cfg.steps} steps ({spent / PROBE_STEPS:.2f} s each)")
-        if time.time() > deadline and step + 1 < cfg.steps:  # evaluations ran longer than the probe foresaw
-            cfg.steps = step + 1
-            bar.total = cfg.steps
-            tqdm.write(f"time budget {cfg.time_budget:.0f} s reached: training ends at step {cfg.steps}")
+        fit_to_budget(cfg, bar, step + 1, start, t0, deadline)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             agree = {e: round(measure(e, h), 4) for e, h in heads.items()}
             history.append({"step": step + 1, "loss": loss.item() / len(heads), "agreement": agree})
@@ -548,20 +394,106 @@ def main(argv=None) -> int:
     final_agree = {e: measure(e, h) for e, h in heads.items()}
     sampled = {} if cfg.head == "attn" else {
         e: sampling_agreement(h, held_rows, f"hidden.{e}", adapter) for e, h in heads.items()}
-    best = cfg.default_exit_layer or max(final_agree, key=final_agree.get)
-    model.selfspec.config = model.selfspec.config.replace(
-        exit_layer=best, max_draft_tokens=cfg.max_draft_tokens,
-        metadata={"trained_with": asdict(cfg), "untrained_agreement": baseline, "agreement": final_agree,
-                  "sampling_agreement": sampled,
-                  "history": history, "train_seconds": time.time() - t0,
-                  "data": {"rows": n, "manifest_settings_hash": manifest.get("settings_hash")}})
+    metadata = {"trained_with": asdict(cfg), "untrained_agreement": baseline, "agreement": final_agree,
+                "sampling_agreement": sampled, "history": history, "train_seconds": time.time() - t0,
+                "data": {"rows": n, "manifest_settings_hash": manifest.get("settings_hash")}}
+    save_heads(model, cfg, heads, final_agree, sampled, metadata)
+    return 0
+
+
+def frozen_model(cfg: TrainConfig, dtype):
+    """The frozen base model, wrapped: the heads reach its final norm and LM head through its adapter."""
+    import selfspec
+    from selfspec.models import resolve_model
+
+    model, tok = resolve_model(cfg.model or "smollm2-135m", dtype=dtype, device=cfg.device)
+    refuse_tensor_parallel(model)
+    model.requires_grad_(False)
+    selfspec.wrap(model, exit_layer=cfg.exit_layers[0])
+    return model, tok
+
+
+def fit_to_budget(cfg: TrainConfig, bar, done: int, start: int, t0: float, deadline: float) -> None:
+    """After `done` steps: with a time budget, the first PROBE_STEPS of this run decide the total (and so the lr
+    schedule); a run past its deadline (evaluations ran longer than the probe foresaw) ends here."""
+    from tqdm import tqdm
+
+    if cfg.time_budget > 0 and done == start + PROBE_STEPS:
+        spent = time.time() - t0
+        cfg.steps = steps_within(deadline - t0, spent, done, spent / PROBE_STEPS, cfg.steps)
+        cfg.warmup = min(cfg.warmup, max(1, cfg.steps // 10))
+        bar.total = cfg.steps
+        tqdm.write(f"time budget {cfg.time_budget:.0f} s: {cfg.steps} steps ({spent / PROBE_STEPS:.2f} s each)")
+    if time.time() > deadline and done < cfg.steps:
+        cfg.steps = done
+        bar.total = cfg.steps
+        tqdm.write(f"time budget {cfg.time_budget:.0f} s reached: training ends at step {cfg.steps}")
+
+
+def draft_vocabulary(cfg: TrainConfig, model, tok, train_rows, held_rows, checkpoint: str | None):
+    """(vocab_ids, vocab_index): the heads' draft vocabulary (None: the full one), the most frequent response tokens
+    of the training data plus the stop tokens, or a resumed checkpoint's own (the data may have grown since); and
+    each token's column in it (-1 outside)."""
+    from selfspec.heads import frequent_token_ids
+    from selfspec.tools.measure import eos_ids_of
+
+    vocab_ids, vocab_size = None, model.selfspec.adapter.vocab_size
+    if cfg.draft_vocab_size:
+        stops = eos_ids_of(model, tok)
+        vocab_ids = frequent_token_ids(train_rows["target_ids"], cfg.draft_vocab_size, stops).to(cfg.device)
+        covered = torch.isin(held_rows["teacher_top1"].long(), vocab_ids.cpu()).float().mean()
+        print(f"draft vocabulary {len(vocab_ids)} tokens covers {covered:.1%} of held-out teacher top-1")
+        if checkpoint is not None:
+            vocab_ids = checkpoint_vocab(checkpoint).to(cfg.device)
+    if vocab_ids is None:
+        return None, torch.arange(vocab_size, device=cfg.device)
+    vocab_index = torch.full((vocab_size,), -1, dtype=torch.long, device=cfg.device)
+    vocab_index[vocab_ids] = torch.arange(len(vocab_ids), device=cfg.device)
+    return vocab_ids, vocab_index
+
+
+def build_heads(cfg: TrainConfig, adapter, vocab_ids, dtype, held_rows):
+    """({exit layer: new head}, measure(e, head) -> its held-out agreement, the training sequences of attention
+    heads (None for MLP heads, which train on rows))."""
+    from selfspec.heads import AttentionHead, MLPHead
+
+    if cfg.head == "attn":  # a copy of the exit layer (or source_layer) with its own KV cache
+        heads = {e: AttentionHead.from_model(adapter, e, cfg.source_layer, cfg.context, vocab_ids).to(cfg.device, dtype)
+                 for e in cfg.exit_layers}
+        train_seqs, held_seqs = load_sequences(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
+        return heads, lambda e, h: attention_agreement(h, held_seqs, adapter, cfg), train_seqs
+    if cfg.head == "mlp":
+        heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids, context=cfg.context).to(cfg.device, dtype)
+                 for e in cfg.exit_layers}
+        return heads, lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter), None
+    raise ValueError(f"train.head must be 'mlp' or 'attn', got {cfg.head!r}.")
+
+
+def batch_loss(cfg: TrainConfig, heads: dict, adapter, data, starts, g, vocab_ids, vocab_index, dtype):
+    """One step's loss, summed over the heads: whole sequences for attention heads (a "top" head sees draft rounds of
+    a random length and phase), else rows, or runs of consecutive rows (--unroll) drafted as the loop drafts them."""
+    if cfg.head == "attn":
+        batch = [data[i] for i in torch.randint(0, len(data), (cfg.seq_batch,), generator=g)]
+        round_len = int(torch.randint(1, cfg.round_len_max + 1, (1,), generator=g))
+        offset = int(torch.randint(0, round_len, (1,), generator=g))
+        return sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset), adapter, vocab_ids,
+                                 vocab_index, cfg.ce_weight) for h in heads.values())
+    idx = starts[torch.randint(0, len(starts), (cfg.batch_size,), generator=g)]
+    return sum(unrolled_loss(h, data, idx, f"hidden.{e}", adapter, vocab_ids, vocab_index, cfg.ce_weight,
+                             cfg.device, dtype, cfg.unroll) for e, h in heads.items())
+
+
+def save_heads(model, cfg: TrainConfig, heads: dict, agree: dict, sampled: dict, metadata: dict) -> None:
+    """The heads and a config whose exit layer is the best agreement (or --default-exit-layer), saved."""
+    best = cfg.default_exit_layer or max(agree, key=agree.get)
+    model.selfspec.config = model.selfspec.config.replace(exit_layer=best, max_draft_tokens=cfg.max_draft_tokens,
+                                                          metadata=metadata)
     for e, h in heads.items():
         model.selfspec.heads[e] = h.to(getattr(torch, cfg.save_dtype)).eval()
     model.selfspec.save_pretrained(cfg.out_dir)
     print(f"saved heads {sorted(heads)} to {cfg.out_dir}; default exit layer {best}; "
-          f"agreement {json.dumps({e: round(a, 4) for e, a in final_agree.items()})}, sampling agreement (sum of "
+          f"agreement {json.dumps({e: round(a, 4) for e, a in agree.items()})}, sampling agreement (sum of "
           f"min(p, q), temperature 1) {json.dumps({e: round(a, 4) for e, a in sampled.items()})}")
-    return 0
 
 
 if __name__ == "__main__":
