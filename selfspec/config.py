@@ -56,7 +56,7 @@ class SelfSpecConfig:
     # Free-form notes a calibrator or trainer leaves behind (search results, versions); not used by the engine.
     metadata: dict = field(default_factory=dict)
 
-    def validate(self, num_layers: int | None = None) -> "SelfSpecConfig":
+    def validate(self, num_layers: int | None = None, own_drafter: str | None = None) -> "SelfSpecConfig":
         """Raise ValueError naming the bad field and the accepted range."""
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be an integer >= 1, got {self.max_draft_tokens!r}.")
@@ -73,7 +73,7 @@ class SelfSpecConfig:
             raise ValueError(f"draft_confidence_cumulative must be true or false, got "
                              f"{self.draft_confidence_cumulative!r}.")
         known = registered_drafters()
-        if self.drafter not in known:
+        if self.drafter not in known and self.drafter != own_drafter:  # own_drafter: a Drafter object's name
             raise ValueError(f"drafter must be one of {known}, got {self.drafter!r} (register your own with "
                              f"selfspec.drafters.register_drafter(name, factory)).")
         if not isinstance(self.draft_tree_top_k, int) or self.draft_tree_top_k < 1:

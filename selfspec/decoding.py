@@ -14,7 +14,7 @@ import torch
 
 from .distributed import agree_across_ranks
 from .draft_length import copy_budget, draft_budget
-from .drafters.base import Draft, Drafter
+from .drafters.base import Draft, Drafter, PromptStates, VerifyStep
 from .runner import Runner
 from .processing import PrefixProcessor
 from .sampling import logits_to_probs, sample, verify_greedy, verify_sampling, verify_sampling_lazy
@@ -77,19 +77,6 @@ class DecodeSettings:
     timed: bool = False
 
 
-@dataclass
-class VerifyStep:
-    """What one verification pass saw, for drafters that keep state of their own (a head's KV cache)."""
-
-    base: int  # first slot of this step's inputs in the shared cache
-    early: torch.Tensor  # (B, k + 1, H) layer-E states of the inputs (pending token, then drafts)
-    top: torch.Tensor  # (B, k + 1, H) final-normed last-layer states of the same inputs
-    positions: torch.Tensor  # (B, k + 1)
-    # after a tree: (B, D + 1) verify inputs of the accepted path, whose states the fields above now hold in
-    # path order; None after a chain
-    kept: torch.Tensor | None = None
-
-
 class DecodeState:
     """Per-call mutable state of the loop; the drafter reads it through `view` (a DraftView) only."""
 
@@ -116,11 +103,6 @@ class DecodeState:
         self.capacity = capacity
         self.step = 0  # decode steps so far (0: the token after prefill)
         self.copy_k = 0  # this step's copy_budget: how far a chain that copies may run (the loop sets it)
-        self.keep_prompt_hidden = False  # set from the drafter: only heads with a cache of their own need them
-        self.prompt_hidden = None  # (layer-E, final) states of the prompt, kept through prefill when asked
-        self.prompt_positions: torch.Tensor | None = None  # (B, T0) positions of the prompt tokens (prefill)
-        self.prefill_exit_layer: int | None = None  # the layer whose input the prefill kept as the early states
-        self.last_verify: VerifyStep | None = None  # what the latest verification pass saw (verify, rollback)
         self.view = DraftView(self)  # what the drafter sees
 
     @property
@@ -153,8 +135,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
-    """Run the prompt through all layers; return processed logits (B, 1, V) of the last prompt position."""
+def prefill(state: DecodeState, exit_layer: int, keep_states: bool) -> tuple[torch.Tensor, PromptStates | None]:
+    """Run the prompt through all layers; return processed logits (B, 1, V) of the last prompt position and, with
+    `keep_states` (a drafter's needs_prompt_hidden), the prompt's states for its `begin`."""
     ids, mask = state.seq[:, : state.prompt_len], state.mask
     if mask is None:
         mask = torch.ones_like(ids)
@@ -163,11 +146,10 @@ def prefill(state: DecodeState, exit_layer: int) -> torch.Tensor:
     early, positions = runner.prompt(ids, mask, exit_layer)
     out = runner.remainder(early, positions, exit_layer)
     state.pos = mask.long().sum(-1)  # position of the first generated token
-    state.prompt_positions, state.prefill_exit_layer = positions, exit_layer
     # layer-E and final-normed states of the whole prompt, (B, T0, H) each: only heads with a cache of their own
     # read them (in Drafter.begin, after which the loop drops them), so other drafters never hold them
-    state.prompt_hidden = (early, out) if state.keep_prompt_hidden else None
-    return state.process(state.adapter.logits(out[:, -1:]).float())
+    prompt = PromptStates(early, out, positions, exit_layer) if keep_states else None
+    return state.process(state.adapter.logits(out[:, -1:]).float()), prompt
 
 
 def take_draft(state: DecodeState, drafter: Drafter, draft: Draft, k: int, exit_layer: int) -> Draft:
@@ -227,9 +209,9 @@ def _check_tree(state: DecodeState, name: str, draft: Draft) -> None:
                          f"draft_tree_size={size} nodes per row.")
 
 
-def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
-    """Run the pending token and the drafts through the layers they have not seen; their final-normed states
-    (B, k + 1, H), from which `choose` takes the logits it needs."""
+def verify(state: DecodeState, draft: Draft, exit_layer: int) -> VerifyStep:
+    """Run the pending token and the drafts through the layers they have not seen: the pass's record, whose
+    final-normed states (B, k + 1, H) `choose` takes the logits it needs from."""
     runner = state.runner
     base = runner.verified_len()  # slots of the verified prefix
     inputs = torch.cat([state.pending[:, None], draft.tokens], dim=1)
@@ -246,18 +228,18 @@ def verify(state: DecodeState, draft: Draft, exit_layer: int) -> torch.Tensor:
         fresh = runner.early(inputs[:, m:], positions[:, m:], exit_layer, tree=tree)
         hidden = fresh if hidden is None else torch.cat([hidden, fresh], dim=1)
     out = runner.remainder(hidden, positions, exit_layer, tree=tree)
-    state.last_verify = VerifyStep(base, hidden, out, positions)
-    return out
+    return VerifyStep(base, hidden, out, positions)
 
 
-def choose(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
-    """Verify a draft from the verifier's final states (B, k + 1, H). Returns (draft, logits, n, token): the
+def choose(state: DecodeState, draft: Draft, step: VerifyStep):
+    """Verify a draft from the verify pass's final states (B, k + 1, H). Returns (draft, logits, n, token, step): the
     accepted drafts n (B,) and the verifier's token (B,), the same on every rank of a tensor-parallel job, with the
     chain and its processed logits (B, k' + 1, V) that emit goes on with (k' >= n: a lazy verdict processes no
-    column past the ones it reads). A tree is reduced to the chain of its accepted path (follow_path)."""
+    column past the ones it reads), and the pass's record as the drafter's `accepted` reads it. A tree is reduced to
+    the chain of its accepted path (follow_path), and the record to the path's inputs."""
     if draft.parents is not None:
-        return _choose_path(state, draft, hidden, base)
-    raw = state.adapter.logits(hidden).float()
+        return _choose_path(state, draft, step)
+    raw = state.adapter.logits(step.top).float()
     if not state.do_sample:
         logits = state.process(raw)
         n, token = verify_greedy(draft.tokens, logits, draft.draft_len)
@@ -273,7 +255,7 @@ def choose(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
     else:
         logits = state.process(raw)
         n, token = verify_sampling(draft.tokens, logits_to_probs(logits), draft.q, draft.draft_len)
-    return (draft, logits, *agree_across_ranks(n, token, draft.tokens, step=state.step))
+    return (draft, logits, *agree_across_ranks(n, token, draft.tokens, step=state.step), step)
 
 
 def lazy_processing(state: DecodeState) -> bool:
@@ -284,10 +266,10 @@ def lazy_processing(state: DecodeState) -> bool:
     return bool(state.settings.processors) and state.device.type == "cpu"
 
 
-def _choose_path(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: int):
+def _choose_path(state: DecodeState, draft: Draft, step: VerifyStep):
     # every node's logits in one LM-head pass: for a few rows the pass costs about one read of the head's
     # weight, so scoring only the walked path level by level would cost more, not less
-    raw = state.adapter.logits(hidden).float()  # (B, N + 1, V)
+    raw = state.adapter.logits(step.top).float()  # (B, N + 1, V)
     rows = torch.arange(state.batch, device=state.device)
     if lazy_processing(state):  # trees run prefix-free processors only, so any row can be processed alone
         def logits_at(current: torch.Tensor) -> torch.Tensor:  # (B,) input indices -> (B, V)
@@ -304,25 +286,24 @@ def _choose_path(state: DecodeState, draft: Draft, hidden: torch.Tensor, base: i
     else:
         path, n, token, logits = verify_tree_sampling(draft.tokens, draft.parents, logits_at, draft.draft_len,
                                                       depth, draft.q)
-    draft = follow_path(state, draft, path, base)
-    return (draft, logits, *agree_across_ranks(n, token, draft.tokens, step=state.step))
+    draft, step = follow_path(state, draft, path, step)
+    return (draft, logits, *agree_across_ranks(n, token, draft.tokens, step=state.step), step)
 
 
-def follow_path(state: DecodeState, draft: Draft, path: torch.Tensor, base: int) -> Draft:
+def follow_path(state: DecodeState, draft: Draft, path: torch.Tensor, step: VerifyStep) -> tuple[Draft, VerifyStep]:
     """Turn a verified tree into the chain of its accepted path, (B, D + 1) verify inputs, root first: the path's
     KV moves to the front of the tree's slots in every layer, the slot table and the sequence get the path's
     positions and tokens. Entries past a row's accepted count are junk that rollback
-    cuts. Returns the chain draft; its draft_len still counts the tree's nodes, for the stats."""
-    runner = state.runner
+    cuts. Returns the chain draft (its draft_len still counts the tree's nodes, for the stats) and the pass's record
+    along the path."""
+    runner, base = state.runner, step.base
     runner.cache.gather_slots(base, path)
     positions = state.pos[:, None] + torch.arange(path.shape[1], device=state.device)
     runner.slots.write(base, positions)
     tokens = draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0))  # (B, D)
     state.write_drafts(tokens)
-    step = state.last_verify
-    state.last_verify = VerifyStep(base, gather_inputs(step.early, path), gather_inputs(step.top, path), positions,
-                                   kept=path)
-    return Draft(tokens=tokens, draft_len=draft.draft_len)
+    along = VerifyStep(base, gather_inputs(step.early, path), gather_inputs(step.top, path), positions, kept=path)
+    return Draft(tokens=tokens, draft_len=draft.draft_len), along
 
 
 def emit(state: DecodeState, draft: Draft, n: torch.Tensor, token: torch.Tensor, logits: torch.Tensor) -> "Emitted":
@@ -460,14 +441,13 @@ def return_free_memory_to_os() -> None:
 def _decode_steps(drafter, state, settings, stats) -> None:
     """Prefill, then draft -> verify -> emit -> rollback until every row has finished."""
     t0 = time.perf_counter()
-    state.keep_prompt_hidden = drafter.needs_prompt_hidden
-    logits = prefill(state, settings.exit_layer)
+    logits, prompt = prefill(state, settings.exit_layer, drafter.needs_prompt_hidden)
     first = sample(logits_to_probs(logits[:, 0])) if state.do_sample else logits[:, 0].argmax(-1)
     first = agree_across_ranks(torch.zeros_like(first), first, step=0)[1]
     step = emit(state, Draft.empty(state.batch, state.device), torch.zeros_like(first), first, logits)
     rollback_noop(state, first)
-    guarded(state, drafter, drafter.begin)
-    state.prompt_hidden = None  # read by begin only; a long prompt's (B, T0, H) states are not kept
+    guarded(state, drafter, drafter.begin, prompt)
+    del prompt  # read by begin only; a long prompt's (B, T0, H) states are not kept
     if settings.timed:
         _sync(state.device)
     stats.prefill_seconds = time.perf_counter() - t0
@@ -487,11 +467,10 @@ def _speculative_step(drafter, state, settings, stats) -> None:
     if settings.timed:
         _sync(state.device)
     t1 = time.perf_counter()
-    hidden = verify(state, draft, settings.exit_layer)
-    draft, logits, n, token = choose(state, draft, hidden, base)
+    draft, logits, n, token, verified = choose(state, draft, verify(state, draft, settings.exit_layer))
     step = emit(state, draft, n, token, logits)
     rollback(state, draft, n, token, base, step.accepted)
-    guarded(state, drafter, drafter.accepted, draft, n)
+    guarded(state, drafter, drafter.accepted, draft, n, verified)
     if settings.timed:
         _sync(state.device)
     stats.draft_seconds += t1 - t0

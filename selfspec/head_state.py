@@ -24,11 +24,11 @@ class TopStates:
         """A new step after the verified position whose final-normed state is `last` (B, H)."""
         self.last, self.step = last, []
 
-    def begin(self, view) -> None:
-        self.start(view.prompt_hidden[1][:, -1])  # left padding: the last column is real
+    def begin(self, prompt) -> None:
+        self.start(prompt.top[:, -1])  # left padding: the last column is real
 
-    def accepted(self, view, n: torch.Tensor) -> None:
-        top = view.last_verify.top  # (B, k + 1, H): the step's inputs (after a tree, its path)
+    def accepted(self, verified, n: torch.Tensor) -> None:
+        top = verified.top  # (B, k + 1, H): the step's inputs (after a tree, its path)
         self.start(top.gather(1, n.to(top.device)[:, None, None].expand(-1, 1, top.shape[-1]))[:, 0])
 
     def normed(self, head, adapter, hidden: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
@@ -103,13 +103,12 @@ class HeadCache:
     the shared cache and given the verified inputs it has not seen (for context="top": all of this step's
     verified inputs again, as final-layer states in place of the layer-E states it drafted from)."""
 
-    def __init__(self, head: ExitHead, view):
+    def __init__(self, head: ExitHead, view, prompt):
         self.head, self.cache = head, SpecCache(1)
-        early, top = view.prompt_hidden  # (B, T0, H) each, from prefill
-        if view.prefill_exit_layer != head.exit_layer:
-            raise ValueError(f"The prefill ran to layer {view.prefill_exit_layer}, but the head exits at "
+        if prompt.exit_layer != head.exit_layer:
+            raise ValueError(f"The prefill ran to layer {prompt.exit_layer}, but the head exits at "
                              f"layer {head.exit_layer}; set config.exit_layer to the head's layer.")
-        self.feed(view, top if head.context == "top" else early, view.prompt_positions)
+        self.feed(view, prompt.top if head.context == "top" else prompt.early, prompt.positions)
 
     def feed(self, view, hidden: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None = None):
         """Run the head's layer on (B, T, H) states entering the next T slots (`tree`: the step's ancestor matrix
@@ -118,8 +117,8 @@ class HeadCache:
         return view.run_own_layer(self.head.layer, self.head.source_layer, self.cache,
                                   hidden.to(weight.device, weight.dtype), positions.to(weight.device), tree)
 
-    def catch_up(self, view) -> None:
-        step = view.last_verify
+    def catch_up(self, view, step) -> None:
+        """After verification: cut back to the verified prefix and feed what `step` (a VerifyStep) verified."""
         verified_len = view.verified_len
         if self.head.context == "top" or step.kept is not None:  # after a tree: its path, fed again in order
             self.cache.rollback(step.base)

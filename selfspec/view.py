@@ -52,12 +52,6 @@ class DraftView:
     mask = property(lambda self: self._state.mask)
     step = property(lambda self: self._state.step)
     copy_k = property(lambda self: self._state.copy_k)
-    # (layer-E, final-normed) (B, T0, H) states of the prompt, in `begin` only, for drafters with needs_prompt_hidden
-    prompt_hidden = property(lambda self: self._state.prompt_hidden)
-    prompt_positions = property(lambda self: self._state.prompt_positions)
-    prefill_exit_layer = property(lambda self: self._state.prefill_exit_layer)
-    # decoding.VerifyStep: the states the latest verification pass saw (in `accepted`)
-    last_verify = property(lambda self: self._state.last_verify)
 
     @property
     def verified_len(self) -> int:

@@ -30,7 +30,7 @@ class SelfSpecEngine:
     def __init__(self, model, config: SelfSpecConfig, heads: dict[int, ExitHead] | None = None):
         self.model = model
         self.adapter = adapter_for(model)
-        self.config = config.validate(self.adapter.num_layers)
+        self.config = config
         self.heads: dict[int, ExitHead] = dict(heads or {})
         self.drafter_override: Drafter | None = None
         self.draft_model = None  # a separate draft model, for drafter="model"
@@ -45,6 +45,17 @@ class SelfSpecEngine:
         # Synchronise the device around drafting and verifying so last_stats' per-phase seconds are true on a GPU
         # (the calibrator's cost model reads them); off by default, since every sync stalls the pipeline.
         self.timed = False
+
+    @property
+    def config(self) -> SelfSpecConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: SelfSpecConfig) -> None:
+        """Settings change through here only, checked against this model (SelfSpecConfig.validate): a tool or a user
+        assigning `model.selfspec.config = config.replace(...)` gets the same one-line refusal as `wrap`."""
+        own = getattr(self, "drafter_override", None)  # a Drafter object given to wrap: its name is a drafter too
+        self._config = config.validate(self.adapter.num_layers, None if own is None else own.name)
 
     # --- heads and drafters ----------------------------------------------------------------------
     def for_call(self, do_sample: bool, tokenizers=None) -> "SelfSpecEngine":
@@ -312,13 +323,13 @@ def wrap(model, config=None, **overrides):
         # a value the config file holds, out of range for this model: say which file
         raise ValueError(f"{config_file(directory)}: {err} Fix: change it in that file, or override it: "
                          f"selfspec.wrap(model, DIR, name=value).") from err
-    if unknown_name is not None:
-        engine.config = engine.config.replace(drafter=unknown_name)
-    engine.tokenizer, engine.draft_tokenizer = tokenizer, draft_tokenizer
     if isinstance(drafter, Drafter):
         engine.drafter_override = drafter
     elif drafter is not None and not isinstance(drafter, str):
         engine.draft_model = drafter
+    if unknown_name is not None:
+        engine.config = engine.config.replace(drafter=unknown_name)
+    engine.tokenizer, engine.draft_tokenizer = tokenizer, draft_tokenizer
     if directory is not None:
         for head in load_heads(directory, engine.adapter):
             engine.add_head(head)

@@ -46,12 +46,12 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor, min_expected: 
     return float(chisquare(obs.cpu().numpy(), exp.cpu().numpy()).pvalue)
 
 
-def accept_everything(state, draft, hidden, base):
+def accept_everything(state, draft, step):
     """A planted bug in place of decoding.choose: keep every draft, then a token from p after them (ignores p and
     q). Sampling tests patch it in to show that their check can fail."""
     from selfspec.sampling import sample
 
-    logits = state.process(state.adapter.logits(hidden).float())
+    logits = state.process(state.adapter.logits(step.top).float())
     n = draft.draft_len
     probs = torch.softmax(logits, dim=-1)
-    return draft, logits, n, sample(probs[torch.arange(n.shape[0]), n])
+    return draft, logits, n, sample(probs[torch.arange(n.shape[0]), n]), step

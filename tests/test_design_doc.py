@@ -1,4 +1,5 @@
-"""The drafter of docs/design.md's contract section runs as written and keeps plain generate's output."""
+"""docs/design.md's code runs as written: the runner's passes by hand give transformers' logits, and the drafter of
+the contract section keeps plain generate's output."""
 from __future__ import annotations
 
 import pathlib
@@ -13,13 +14,25 @@ from conftest import make_model, padded_batch
 DESIGN = pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md"
 
 
-def _example_drafter():
-    """The class defined by the page's one ```python block."""
+def _blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", DESIGN.read_text(), flags=re.S)
-    assert len(blocks) == 1, "docs/design.md holds one python block, the example drafter"
+    assert len(blocks) == 2, "docs/design.md holds two python blocks: the runner by hand, the example drafter"
+    return blocks
+
+
+def _example_drafter():
+    """The class defined by the page's drafter block."""
     scope: dict = {}
-    exec(compile(blocks[0], str(DESIGN), "exec"), scope)
+    exec(compile(_blocks()[1], str(DESIGN), "exec"), scope)
     return scope["LastOccurrenceDrafter"]
+
+
+def test_the_runner_by_hand_gives_transformers_logits():
+    """The block's own asserts compare with transformers' forward; a runner that skipped the drafted token's layers
+    [0, 2) would leave those layers a slot short, and its logits would differ."""
+    scope: dict = {}
+    exec(compile(_blocks()[0], str(DESIGN), "exec"), scope)
+    assert scope["got"].shape == (1, 6, 64)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

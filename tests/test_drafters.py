@@ -69,7 +69,7 @@ def _lookup(seq, prompt_len, mask=None, k=3, eos=(2,), finished=None):
         finished=torch.zeros(seq.shape[0], dtype=torch.bool) if finished is None else torch.tensor(finished),
         is_eos=lambda t: torch.isin(t, eos_t))
     drafter = NgramDrafter(3, 1)
-    drafter.begin(state)
+    drafter.begin(state, None)
     return drafter.lookup(state, k)
 
 

@@ -182,8 +182,8 @@ def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context, tree):
     seen = {}
     original = EarlyExitDrafter.accepted
 
-    def spy(self, state, draft, n):
-        original(self, state, draft, n)
+    def spy(self, state, draft, n, verified):
+        original(self, state, draft, n, verified)
         seen.update(cache=self.head_cache.cache, slots=state._state.runner.slots.pos.clone(), n=seen.get("n", []) + [n])
 
     monkeypatch.setattr(EarlyExitDrafter, "accepted", spy)

@@ -1,5 +1,5 @@
-"""selfspec's drafters for vLLM: the export (`selfspec export-vllm`), the draft head's arithmetic against selfspec's
-own head, the custom_class prompt lookup against a direct reading of its rule, and, where a vLLM environment is
+"""selfspec's drafters for vLLM: the export (`selfspec export-vllm`), the exported head rebuilt as the draft model
+rebuilds it against the trained one, the custom_class prompt lookup against a direct reading of its rule, and, where a vLLM environment is
 given (SELFSPEC_VLLM_PYTHON), vLLM itself serving with both drafters against vLLM without speculation."""
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from conftest import make_model
 from selfspec.heads import MLPHead
 from selfspec.serving.export import write_draft
 from selfspec.serving.vllm_draft import ARCHITECTURE
-from selfspec.serving.vllm_draft import MLPHead as DraftMLPHead
 from selfspec.serving.vllm_ngram import propose_rows
 
 HIDDEN = 32
@@ -46,7 +45,7 @@ def test_export_holds_the_first_layers_the_head_and_its_vocabulary_rows(tmp_path
     assert config["architectures"] == [ARCHITECTURE] and config["num_hidden_layers"] == 2
     assert AutoConfig.from_pretrained(tmp_path / "draft").num_hidden_layers == 2  # a config vLLM's loader accepts
     assert config["selfspec_family"] == family
-    assert config["selfspec_head"] == {"rank": 2 * HIDDEN, "draft_vocab_size": 8}
+    assert config["selfspec_head"] == {**head.spec(), "draft_vocab_size": 8, "copy_max": 0}
     assert result.exit_layer == 2 and result.num_speculative_tokens == 3
     assert result.speculative_config()["method"] == "eagle"
     tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
@@ -60,16 +59,18 @@ def test_export_holds_the_first_layers_the_head_and_its_vocabulary_rows(tmp_path
     assert tensors["vocab_ids"].tolist() == head.vocab_ids.tolist()
 
 
-def test_draft_head_computes_what_selfspecs_head_does(tmp_path):
-    """The exported head in vllm_draft's torch ops, fed the same layer-E and previous final states, gives the
-    residual stream selfspec's MLPHead gives."""
+def test_the_exported_head_rebuilt_computes_what_the_trained_one_does(tmp_path):
+    """The draft model builds selfspec's MLPHead from the exported spec and loads the exported weights into it (every
+    one of them, strictly); fed the same layer-E and previous final states, it gives the trained head's residual
+    stream."""
     model, head = _wrapped(tmp_path)
     write_draft(model, tmp_path / "draft", target=str(tmp_path / "target"))
     tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
-    draft = DraftMLPHead(HIDDEN, 2 * HIDDEN, torch.float32)
+    spec = json.loads((tmp_path / "draft" / "config.json").read_text())["selfspec_head"]
+    draft = MLPHead(spec["exit_layer"], HIDDEN, spec["rank"], context=spec["context"])
     draft.load_state_dict({name.removeprefix("head."): t for name, t in tensors.items() if name.startswith("head.")})
     hidden, prev_top = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN)
-    torch.testing.assert_close(draft(hidden, prev_top), head.transform(hidden, None, prev_top))
+    torch.testing.assert_close(draft.transform(hidden, None, prev_top), head.transform(hidden, None, prev_top))
 
 
 def test_export_refuses_what_vllm_cannot_draft_with(tmp_path):

@@ -286,15 +286,15 @@ def test_a_top_reading_head_reads_each_tree_nodes_parent():
     adapter, head = model.selfspec.adapter, _heads()["mlp-top"]
     torch.manual_seed(1)
     last, root, level1, level2 = (torch.randn(2, t, 32, dtype=torch.float64) for t in (1, 1, 2, 2))
-    state = SimpleNamespace(prompt_hidden=(None, last))
+    prompt = SimpleNamespace(top=last)  # the PromptStates field a top-reading head starts from
     tree = TopStates()
-    tree.begin(state)
+    tree.begin(prompt)
     tree.normed(head, adapter, root, None)
     tree.normed(head, adapter, level1, torch.zeros(2, 2, dtype=torch.long))
     deep = tree.normed(head, adapter, level2, torch.tensor([[1, 2], [1, 2]]))
     for node in (0, 1):
         chain = TopStates()
-        chain.begin(state)
+        chain.begin(prompt)
         for h in (root, level1[:, node : node + 1], level2[:, node : node + 1]):
             out = chain.normed(head, adapter, h, None)
         assert torch.allclose(out[:, 0], deep[:, node])

@@ -220,3 +220,18 @@ def test_an_exit_layer_or_a_drafter_keeps_what_was_asked():
         selfspec.wrap(model, drafter="hybrid", exit_layer=2)
         assert model.selfspec.config.drafter == "hybrid"
         selfspec.unwrap(model)
+
+
+def test_assigning_settings_is_the_validated_call():
+    """`model.selfspec.config = ...` (what tools and users do) is checked as `wrap` checks: a bad value is refused in
+    one line naming the field, and the engine keeps the settings it had."""
+    model = make_model("llama", 4, dtype=torch.float32)
+    selfspec.wrap(model, exit_layer=2, max_draft_tokens=4)
+    try:
+        with pytest.raises(ValueError, match="max_draft_tokens must be an integer >= 1"):
+            model.selfspec.config = model.selfspec.config.replace(max_draft_tokens=0)
+        with pytest.raises(ValueError, match="exit_layer"):
+            model.selfspec.config = model.selfspec.config.replace(exit_layer=9)
+        assert model.selfspec.config.max_draft_tokens == 4 and model.selfspec.config.exit_layer == 2
+    finally:
+        selfspec.unwrap(model)

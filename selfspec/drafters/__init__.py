@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import ConfidenceRule, Draft, Drafter, DraftView
+from .base import ConfidenceRule, Draft, Drafter, DraftView, PromptStates, VerifyStep
 from .early_exit import EarlyExitDrafter
 from .oracle import OracleDrafter
 from .oracle import from_engine as _oracle_from_engine
@@ -36,5 +36,6 @@ def build_drafter(engine) -> Drafter:
     return DRAFTER_FACTORIES[name](engine)
 
 
-__all__ = ["ConfidenceRule", "Draft", "Drafter", "DraftView", "EarlyExitDrafter", "HybridChainDrafter",
-           "HybridPolicy", "HybridTreeDrafter", "build_drafter", "register_drafter", "DRAFTER_FACTORIES"]
+__all__ = ["ConfidenceRule", "Draft", "Drafter", "DraftView", "PromptStates", "VerifyStep", "EarlyExitDrafter",
+           "HybridChainDrafter", "HybridPolicy", "HybridTreeDrafter", "build_drafter", "register_drafter",
+           "DRAFTER_FACTORIES"]

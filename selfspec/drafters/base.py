@@ -1,9 +1,10 @@
 """The drafter contract: a drafter sees a read-only `DraftView` of the decode call and returns a `Draft`.
 
-`propose(view, k) -> Draft` proposes; `begin(view)` and `accepted(view, draft, n)` let a drafter keep state of its
-own (a draft model's cache, a head's attention cache) in step with what the verifier accepted. The loop alone
-writes the sequence, the positions and the verified cache (decoding.take_draft, emit, rollback); docs/design.md
-shows a drafter written against this contract.
+`propose(view, k) -> Draft` proposes; `begin(view, prompt)` and `accepted(view, draft, n, verified)` let a drafter
+keep state of its own (a draft model's cache, a head's attention cache) in step with what the verifier accepted,
+from the records the loop hands them (PromptStates, VerifyStep). The loop alone writes the sequence, the positions
+and the verified cache (decoding.take_draft, emit, rollback); docs/design.md shows a drafter written against this
+contract.
 """
 from __future__ import annotations
 
@@ -41,6 +42,30 @@ class Draft:
                      torch.zeros(batch, dtype=torch.long, device=device))
 
 
+@dataclass(frozen=True)
+class PromptStates:
+    """What the prefill saw of the prompt, handed to `begin` of drafters with `needs_prompt_hidden`."""
+
+    early: torch.Tensor  # (B, T0, H) the prompt's layer-E states (the input of layer `exit_layer`)
+    top: torch.Tensor  # (B, T0, H) its final-normed states
+    positions: torch.Tensor  # (B, T0) their positions (left padding sits at 0)
+    exit_layer: int  # the layer whose input `early` is
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    """What one verification pass saw, handed to `accepted`: for drafters that keep state of their own (a head's KV
+    cache, the final states a top-reading head reads)."""
+
+    base: int  # first slot of this step's inputs in the shared cache
+    early: torch.Tensor  # (B, k + 1, H) layer-E states of the inputs (pending token, then drafts)
+    top: torch.Tensor  # (B, k + 1, H) final-normed last-layer states of the same inputs
+    positions: torch.Tensor  # (B, k + 1)
+    # after a tree: (B, D + 1) verify inputs of the accepted path, whose states the fields above hold in path order;
+    # None after a chain
+    kept: torch.Tensor | None = None
+
+
 class Drafter:
     """Proposes tokens for the verifier. Subclasses override `propose`; `begin`/`accepted` are hooks for drafters
     with state of their own (a draft model's cache, a head's attention cache). Each receives a DraftView.
@@ -59,8 +84,8 @@ class Drafter:
     # then starts from its `exit_layer`, which must be a layer of the model.
     uses_early_layers = False
     exit_layer: int | None = None
-    # Whether `begin` reads view.prompt_hidden, the (B, T0, H) layer-E and final states of the prompt; the loop
-    # keeps them through prefill only for drafters that say so.
+    # Whether `begin` reads its `prompt` record (PromptStates, the prompt's layer-E and final states); the loop keeps
+    # them through prefill only for drafters that say so, and hands the others None.
     needs_prompt_hidden = False
     drafts_trees = False
     # Whether its chains may run past K while they copy (draft_length.copy_budget): the loop grants the config's
@@ -72,15 +97,15 @@ class Drafter:
         without a copy lookup), or None. Drafters that never copy have nothing missing: they simply do not run."""
         return None
 
-    def begin(self, view: DraftView) -> None:
-        """Called once after prefill."""
+    def begin(self, view: DraftView, prompt: PromptStates | None) -> None:
+        """Called once after prefill; `prompt` is None unless the drafter has needs_prompt_hidden."""
 
     def propose(self, view: DraftView, k: int) -> Draft:
         """Up to k tokens per row (a chain), or a tree of at most view.settings.tree_size nodes and k levels."""
         return Draft.empty(view.batch, view.device)
 
-    def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor) -> None:
-        """Called after verification and rollback; n (B,) drafts accepted per row."""
+    def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor, verified: VerifyStep) -> None:
+        """Called after verification and rollback; n (B,) drafts accepted per row, `verified` what the pass saw."""
 
 
 @dataclass(frozen=True)

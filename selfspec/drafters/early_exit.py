@@ -8,7 +8,7 @@ import torch
 from ..draft_length import chain_may_draft
 from ..head_state import CopyPaths, HeadCache, TopStates
 from ..heads import DraftLogits, ExitHead, draft_scores
-from .base import ConfidenceRule, Draft, Drafter, DraftView, choose_draft
+from .base import ConfidenceRule, Draft, Drafter, DraftView, PromptStates, VerifyStep, choose_draft
 from .tree import grow_tree
 
 
@@ -45,18 +45,18 @@ class EarlyExitDrafter(Drafter):
         """The rule's threshold, which a tree's nodes' path probabilities must reach (tree.py)."""
         return self.rule.threshold
 
-    def begin(self, view: DraftView) -> None:
-        self.head_cache = HeadCache(self.head, view) if self.head.stateful else None
+    def begin(self, view: DraftView, prompt: PromptStates | None) -> None:
+        self.head_cache = HeadCache(self.head, view, prompt) if self.head.stateful else None
         if self.tops is not None:
-            self.tops.begin(view)
+            self.tops.begin(prompt)
         if self.copies is not None:
             self.copies.begin(view)
 
-    def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor) -> None:
+    def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor, verified: VerifyStep) -> None:
         if self.head_cache is not None:
-            self.head_cache.catch_up(view)
+            self.head_cache.catch_up(view, verified)
         if self.tops is not None:
-            self.tops.accepted(view, n)
+            self.tops.accepted(verified, n)
         if self.copies is not None:
             self.copies.start()
 

@@ -54,7 +54,7 @@ import torch
 
 from ..draft_length import lookup_budget
 from ..trees import merge_branches, pack_trees
-from .base import ConfidenceRule, Draft, Drafter, DraftView, choose_draft
+from .base import ConfidenceRule, Draft, Drafter, DraftView, PromptStates, VerifyStep, choose_draft
 from .early_exit import EarlyExitDrafter
 from .ngram import NgramDrafter, branch_draft, strong_only
 from .tree import grow_tree
@@ -113,13 +113,13 @@ class _Hybrid(Drafter):
     def needs_prompt_hidden(self) -> bool:
         return self.early.needs_prompt_hidden
 
-    def begin(self, view: DraftView) -> None:
-        self.ngram.begin(view)
-        self.early.begin(view)
+    def begin(self, view: DraftView, prompt: PromptStates | None) -> None:
+        self.ngram.begin(view, prompt)
+        self.early.begin(view, prompt)
 
-    def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor) -> None:
-        self.ngram.accepted(view, draft, n)
-        self.early.accepted(view, draft, n)
+    def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor, verified: VerifyStep) -> None:
+        self.ngram.accepted(view, draft, n, verified)
+        self.early.accepted(view, draft, n, verified)
 
     def _strong(self, found) -> torch.Tensor:
         """(B,) rows whose lookup found a match of min_match or more tokens with a continuation to draft: the one

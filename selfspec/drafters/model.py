@@ -145,7 +145,7 @@ class DraftModelDrafter(Drafter):
         logits = self.adapter.logits(self.adapter.final_norm(hidden[:, -1:])).float().to(ids.device)
         return _fit_vocab(logits, self.vocab)
 
-    def begin(self, view) -> None:
+    def begin(self, view, prompt) -> None:
         self.vocab = view.vocab_size
         mask = None if view.mask is None else view.mask.to(self.device)
         prompt = self._embeddable(view.seq[:, : view.prompt_len])
@@ -193,7 +193,7 @@ class DraftModelDrafter(Drafter):
         return Draft(tokens=torch.stack(tokens, dim=1), draft_len=draft_len,
                      q=torch.stack(qs, dim=1) if qs else None)
 
-    def accepted(self, view, draft: Draft, n: torch.Tensor) -> None:
+    def accepted(self, view, draft: Draft, n: torch.Tensor, verified) -> None:
         step = self.step
         if step is None:
             return

@@ -54,7 +54,7 @@ class NgramDrafter(Drafter):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.prompt_pad: torch.Tensor | None = None  # (B, T0) True where the prompt is padding
 
-    def begin(self, view) -> None:
+    def begin(self, view, prompt) -> None:
         mask = view.mask
         self.prompt_pad = None if mask is None else (mask == 0)
 

@@ -39,7 +39,7 @@ class OracleDrafter(Drafter):
     def from_rows(cls, rows: list[list[int]]) -> "OracleDrafter":
         return cls(*pad_targets(rows))
 
-    def begin(self, view) -> None:
+    def begin(self, view, prompt) -> None:
         if view.batch != self.targets.shape[0]:
             raise ValueError(f"OracleDrafter holds {self.targets.shape[0]} reference rows but the batch has "
                              f"{view.batch}; build it from the outputs of this very batch.")

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from .vllm_draft import ARCHITECTURE
 
 VLLM_FAMILIES = ("llama", "qwen2")  # target families whose layers vllm_draft builds from vLLM's own
-_HEAD_NAMES = {"norm.weight": "norm_weight", "top_norm.weight": "top_norm_weight", "up.weight": "up",
-               "down.weight": "down", "top_in.weight": "top_in", "top_up.weight": "top_up"}
+# the head's weights the draft model runs: its transform, not its draft vocabulary (lm_rows) or copy scoring
+_HEAD_WEIGHTS = ("norm.weight", "top_norm.weight", "up.weight", "down.weight", "top_in.weight", "top_up.weight")
 
 
 @dataclass
@@ -87,8 +87,8 @@ def write_draft(model, output: str, target: str | None = None) -> VllmExport:
     tensors = {name: tensor for name, tensor in model.state_dict().items()
                if name.startswith(kept) or name == "model.norm.weight"}
     for name, tensor in head.state_dict().items():
-        if name in _HEAD_NAMES:
-            tensors[f"head.{_HEAD_NAMES[name]}"] = tensor.to(model.dtype)
+        if name in _HEAD_WEIGHTS:
+            tensors[f"head.{name}"] = tensor.to(model.dtype)
     weight = model.get_output_embeddings().weight
     vocab_ids = head.vocab_ids if head.vocab_ids is not None else torch.arange(config.vocab_size)
     tensors["lm_rows"] = weight[vocab_ids.to(weight.device)]
@@ -96,7 +96,7 @@ def write_draft(model, output: str, target: str | None = None) -> VllmExport:
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     draft = {**config.to_dict(), "architectures": [ARCHITECTURE], "num_hidden_layers": exit_layer,
              "tie_word_embeddings": False, "selfspec_exit_layer": exit_layer, "selfspec_family": family,
-             "selfspec_head": {"rank": head.rank, "draft_vocab_size": int(vocab_ids.numel())}}
+             "selfspec_head": {**head.spec(), "draft_vocab_size": int(vocab_ids.numel()), "copy_max": 0}}
     if isinstance(draft.get("layer_types"), list):  # per-layer settings (Qwen2's attention kinds) follow the cut
         draft["layer_types"] = draft["layer_types"][:exit_layer]
     (out / "config.json").write_text(json.dumps(draft, indent=2, default=str) + "\n")

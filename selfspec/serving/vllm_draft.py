@@ -6,7 +6,7 @@ the token ids, shifted by one, and the target's final-normed hidden states of th
 later draft tokens it feeds back what the draft model returned. So the draft architecture here is
 
     layer-E state  = the target's layers [0, E) over the token      (vLLM's own Llama / Qwen2 layers, own KV cache)
-    estimate       = final_norm(head(layer-E state, previous final state))  (selfspec's MLPHead, in torch ops)
+    estimate       = final_norm(head(layer-E state, previous final state))  (selfspec.heads.MLPHead itself)
     draft logits   = estimate @ lm_head[draft vocabulary].T, -inf elsewhere
 
 and it returns the estimate twice: for the logits, and as the next draft's "previous final state", as
@@ -38,33 +38,6 @@ def register() -> None:
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:EagleSelfSpecForCausalLM")
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """selfspec's head norms (torch.nn.RMSNorm over the last dimension)."""
-    return nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-class MLPHead(nn.Module):
-    """selfspec.heads.MLPHead's transform, context "top", without its copy scoring (vLLM drafts its own tokens)."""
-
-    def __init__(self, hidden_size: int, rank: int, dtype: torch.dtype, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-
-        def weight(*shape):
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-        self.norm_weight, self.top_norm_weight = weight(hidden_size), weight(hidden_size)
-        self.up, self.down = weight(rank, hidden_size), weight(hidden_size, rank)
-        self.top_in, self.top_up = weight(hidden_size, hidden_size), weight(rank, hidden_size)
-
-    def forward(self, hidden: torch.Tensor, prev_top: torch.Tensor) -> torch.Tensor:
-        """(N, H) layer-E states and (N, H) previous final states -> (N, H) residual stream before the final norm."""
-        linear = nn.functional.linear
-        t = _rms_norm(prev_top.to(hidden.dtype), self.top_norm_weight, self.eps)
-        pre = linear(_rms_norm(hidden, self.norm_weight, self.eps), self.up) + linear(t, self.top_up)
-        return hidden + linear(t, self.top_in) + linear(nn.functional.silu(pre), self.down)
 
 
 class _Inner(nn.Module):
@@ -114,7 +87,7 @@ class EagleSelfSpecForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         config = vllm_config.speculative_config.draft_model_config.hf_config
-        if not hasattr(config, "selfspec_family"):
+        if "kind" not in getattr(config, "selfspec_head", {}):
             raise ValueError(f"{vllm_config.speculative_config.model} was written by an older `selfspec export-vllm`: "
                              "run it again to rewrite the directory.")
         self.config = config
@@ -122,8 +95,11 @@ class EagleSelfSpecForCausalLM(nn.Module):
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         config.target_layer_count = target_layers  # vLLM's layers index per-layer settings relative to it
         self.model = _Inner(vllm_config, config, f"{prefix}.model" if prefix else "model", target_layers)
-        head = config.selfspec_head
-        self.head = MLPHead(config.hidden_size, head["rank"], dtype)
+        from ..heads import MLPHead
+
+        head = config.selfspec_head  # its spec: an `mlp` head reading the previous final state, no copy scoring
+        self.head = MLPHead(head["exit_layer"], config.hidden_size, head["rank"], context="top").to(dtype)
+        self.head.requires_grad_(False)
         draft_vocab = head["draft_vocab_size"] or config.vocab_size
         self.register_buffer("vocab_ids", torch.zeros(draft_vocab, dtype=torch.long), persistent=False)
         self.lm_rows = nn.Parameter(torch.empty(draft_vocab, config.hidden_size, dtype=dtype), requires_grad=False)
@@ -140,7 +116,7 @@ class EagleSelfSpecForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual)
         layer_e = x if residual is None else x + residual  # the residual stream after layer E
-        estimate = self.model.norm(self.head(layer_e, hidden_states))
+        estimate = self.model.norm(self.head.transform(layer_e, None, hidden_states))
         return estimate, estimate
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
