@@ -9,43 +9,44 @@ from dataclasses import dataclass, field
 CONFIG_NAME = "selfspec_config.json"
 # where a calibration's record goes in a config's metadata, per decoding mode (sampled: True)
 CALIBRATION_KEY = {False: "calibration", True: "calibration_sampled"}
-DRAFTERS = ("early_exit", "ngram", "hybrid", "model", "oracle", "none")
 
 
 @dataclass
 class SelfSpecConfig:
-    # --- what a user sets ---
-    # Which drafter proposes tokens: early_exit, ngram, hybrid (both), model (a separate draft model), oracle, none.
+    # --- shared by every drafter ---
+    # Which drafter proposes tokens: early_exit, ngram, hybrid (both), model (a separate draft model), oracle, none
+    # (drafters/registry.py lists them, with the settings each reads and the knobs a calibration searches for it).
     drafter: str = "early_exit"
     # Drafting runs decoder layers [0, exit_layer) plus an exit head; 1 <= exit_layer <= L-1.
     exit_layer: int = 8
     # Most tokens proposed per verification step (K); the verifier adds one of its own.
     max_draft_tokens: int = 6
-    # Stop drafting once the head's top probability falls below this (0 disables the early stop); a tree stops
-    # growing once no child's cumulative draft probability reaches it.
-    draft_confidence_threshold: float = 0.0
     # Draft trees (EAGLE-2 style): children expanded per node; 1 drafts a chain. max_draft_tokens is the depth.
     draft_tree_top_k: int = 1
     # Most drafted tokens per verify pass of a tree (nodes of all branches together); needs >= max_draft_tokens.
     draft_tree_size: int = 16
-    # Run the passes after the prompt through torch.compile over a few static shapes (compiled.py): the first
-    # passes of each shape compile (minutes on a CPU), every later one is faster; CUDA graphs on a GPU.
-    compile: bool = False
-
-    # --- what a calibration tunes (defaults that work untuned) ---
-    # With this, a chain judges its next draft by the product of the head's top probabilities along the chain so
-    # far (its path probability, as a tree scores nodes) instead of by that draft's alone: long where the head is
-    # sure draft after draft (a copy), short after two unsure ones.
-    draft_confidence_cumulative: bool = False
     # A chain drafted by a copy head may run past max_draft_tokens, up to this many drafts, while every draft past
     # K is the head's copy candidate for a match of 2 or more tokens (0: never past K). Copying text runs long and
     # is right far more often than free text, so one K cannot suit both (see draft_length.copy_budget).
     copy_draft_tokens: int = 0
-    # Prompt-lookup drafter: longest and shortest suffix n-gram to match.
+    # Run the passes after the prompt through torch.compile over a few static shapes (compiled.py): the first
+    # passes of each shape compile (minutes on a CPU), every later one is faster; CUDA graphs on a GPU.
+    compile: bool = False
+
+    # --- each drafter's own settings: kept flat in the JSON, read and checked through the drafter's records ---
+    # early_exit and hybrid (drafters.ConfidenceRule): stop drafting once the head's top probability falls below
+    # this (0 disables the early stop); a tree stops growing once no child's cumulative draft probability reaches
+    # it. With cumulative, a chain judges its next draft by the product of the head's top probabilities along the
+    # chain so far (its path probability, as a tree scores nodes): long where the head is sure draft after draft
+    # (a copy), short after two unsure ones.
+    draft_confidence_threshold: float = 0.0
+    draft_confidence_cumulative: bool = False
+    # ngram and hybrid (drafters.NgramSettings): longest and shortest suffix n-gram the lookup matches.
     ngram_max: int = 3
     ngram_min: int = 1
-    # Hybrid drafter: who drafts a row's step, by name (drafters/hybrid.py: lookup-first, lookup-then-head,
-    # lookup-when-unsure, lookup-when-copying), and the matched suffix length that makes a lookup strong.
+    # hybrid (drafters.HybridPolicy): who drafts a row's step, by name (drafters/hybrid.py: lookup-first,
+    # lookup-then-head, lookup-when-unsure, lookup-when-copying), and the matched suffix length that makes a lookup
+    # strong.
     hybrid_policy: str = "lookup-then-head"
     hybrid_min_match: int = 2
 
@@ -60,22 +61,20 @@ class SelfSpecConfig:
         """Raise ValueError naming the bad field and the accepted range."""
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be an integer >= 1, got {self.max_draft_tokens!r}.")
-        if not 0.0 <= float(self.draft_confidence_threshold) < 1.0:
-            raise ValueError(
-                f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}."
-            )
         if not isinstance(self.copy_draft_tokens, int) or self.copy_draft_tokens < 0:
             raise ValueError(f"copy_draft_tokens must be an integer >= 0 (0: a chain never runs past "
                              f"max_draft_tokens), got {self.copy_draft_tokens!r}.")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}.")
-        if not isinstance(self.draft_confidence_cumulative, bool):
-            raise ValueError(f"draft_confidence_cumulative must be true or false, got "
-                             f"{self.draft_confidence_cumulative!r}.")
-        known = registered_drafters()
+        from .drafters import DRAFTERS  # late: the drafters import the engine, which imports this module
+
+        known = tuple(DRAFTERS)
         if self.drafter not in known and self.drafter != own_drafter:  # own_drafter: a Drafter object's name
             raise ValueError(f"drafter must be one of {known}, got {self.drafter!r} (register your own with "
                              f"selfspec.drafters.register_drafter(name, factory)).")
+        entry = DRAFTERS.get(self.drafter) if self.drafter != own_drafter else None
+        if entry is not None:
+            entry.records(self)  # the drafter's own settings, each record checking its fields
         if not isinstance(self.draft_tree_top_k, int) or self.draft_tree_top_k < 1:
             raise ValueError(f"draft_tree_top_k must be an integer >= 1 (1 drafts a chain), got "
                              f"{self.draft_tree_top_k!r}.")
@@ -83,11 +82,6 @@ class SelfSpecConfig:
                                           or self.draft_tree_size < self.max_draft_tokens):
             raise ValueError(f"draft_tree_size must be an integer >= max_draft_tokens={self.max_draft_tokens} (a "
                              f"tree as deep as a chain needs that many nodes), got {self.draft_tree_size!r}.")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}.")
-        from .drafters.hybrid import HybridPolicy  # late: the drafters import the engine, which imports this module
-
-        HybridPolicy(self.hybrid_policy, self.hybrid_min_match)  # raises naming the bad field
         if not isinstance(self.sampling, dict):
             raise ValueError(f"sampling must be a mapping of config fields, got {self.sampling!r}.")
         bad = sorted(set(self.sampling) - set(self.__dataclass_fields__) | set(self.sampling) & {"sampling",
@@ -99,13 +93,19 @@ class SelfSpecConfig:
             self.for_mode(True).validate(num_layers)
         # drafters that never run the early layers on their own (ngram, model, oracle, none) only use exit_layer
         # as the split of the verify pass, which any layer serves: the engine clamps it for them
-        uses_exit = self.drafter in ("early_exit", "hybrid")
+        uses_exit = entry is not None and entry.uses_early_layers
         if num_layers is not None and uses_exit and not 1 <= self.exit_layer <= num_layers - 1:
             raise ValueError(
                 f"exit_layer={self.exit_layer} is out of range for a model with {num_layers} decoder layers: "
                 f"choose 1 <= exit_layer <= {num_layers - 1} (layers [0, exit_layer) draft, the rest verify)."
             )
         return self
+
+    def drafter_settings(self) -> tuple:
+        """The settings records of the configured drafter (drafters/registry.py), read from this config."""
+        from .drafters import drafter_entry
+
+        return drafter_entry(self.drafter).records(self)
 
     def for_mode(self, do_sample: bool) -> "SelfSpecConfig":
         """The settings a generate call runs with: the `sampling` ones over the rest when it samples."""
@@ -157,13 +157,6 @@ class SelfSpecConfig:
 
     def replace(self, **overrides) -> "SelfSpecConfig":
         return dataclasses.replace(self, **overrides)
-
-
-def registered_drafters() -> tuple:
-    """Built-in drafters plus any registered with selfspec.drafters.register_drafter."""
-    from .drafters import DRAFTER_FACTORIES  # late: the drafters import the engine, which imports this module
-
-    return tuple(dict.fromkeys([*DRAFTERS, *DRAFTER_FACTORIES]))
 
 
 # The JSON values each field's annotation takes, and their name in a message. A bool is no number here: a JSON true

@@ -8,7 +8,8 @@ import sys
 import time
 
 # Drafters the command line can build from a name alone ("model" needs a second model object, "oracle" the
-# true continuation; both exist only in Python).
+# true continuation; both exist only in Python): the registry's searchable ones (drafters/registry.py), named here
+# so that --help imports no torch; tests/test_cli.py holds the two equal.
 CLI_DRAFTERS = ("early_exit", "ngram", "hybrid", "none")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # selfspec.models.DTYPE_CHOICES, without importing torch
 

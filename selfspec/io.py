@@ -92,13 +92,13 @@ def check_drafter_saveable(engine) -> None:
     the config's own); warn when the rebuild needs a draft model, which is not saved."""
     import warnings
 
-    from .drafters import DRAFTER_FACTORIES
+    from .drafters import DRAFTERS
 
     override = engine.drafter_override
     name = engine.config.drafter if override is None else getattr(override, "name", None)
     what = f"drafter {name!r}" if override is None else f"{type(override).__name__} object (name {name!r})"
     refuse = f"selfspec cannot save this config: the drafter in use, {what},"
-    if name == "oracle" or name not in DRAFTER_FACTORIES:
+    if name not in DRAFTERS or not DRAFTERS[name].from_config:
         why = ("proposes a reference continuation that only its caller has" if name == "oracle"
                else "is not a drafter the config knows")
         raise ValueError(f"{refuse} cannot be rebuilt from a config (it {why}). Save with a drafter the config can "
@@ -116,7 +116,7 @@ def check_drafter_saveable(engine) -> None:
         return
     engine.drafter_override = None
     try:
-        rebuilt = DRAFTER_FACTORIES[name](engine)
+        rebuilt = DRAFTERS[name].build(engine)
     finally:
         engine.drafter_override = override
     differences = _drafter_differences(override, rebuilt)

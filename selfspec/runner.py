@@ -103,15 +103,21 @@ class Runner:
             self.slots.write(q_start, positions if slot_positions is None else slot_positions)
         if self._compiles(start, stop, q_start, t):
             return self._compiled_pass(start, stop, hidden, positions, q_start, tree)
-        slot_pos, impl = self.slots.view(q_start + t), self.adapter.attn_impl
-        masks = {}
-        for i in range(start, stop):
-            window = self.adapter.window(i)
-            if window not in masks:
-                needed = needs_mask(self.slots.has_holes, t, q_start, window, impl, tree)
-                masks[window] = build_mask(slot_pos, positions, q_start, window, hidden.dtype, impl, tree) \
-                    if needed else None
+        masks = self._per_window(start, stop, lambda window: self._mask(positions, q_start, t, window, hidden.dtype,
+                                                                         tree))
         return layer_range(self.model_adapter, start, stop, hidden, positions, masks, self.cache)
+
+    def _per_window(self, start: int, stop: int, mask_for) -> dict:
+        """{window: mask_for(window)} for the attention windows of layers [start, stop), each built once."""
+        return {window: mask_for(window) for window in dict.fromkeys(map(self.adapter.window, range(start, stop)))}
+
+    def _mask(self, positions, q_start: int, t: int, window, dtype, tree: Tree | None):
+        """The (B, 1, T, S) mask of T queries from slot q_start under one attention window, or None where the
+        attention implementation's own causal rule is the same."""
+        impl = self.adapter.attn_impl
+        if not needs_mask(self.slots.has_holes, t, q_start, window, impl, tree):
+            return None
+        return build_mask(self.slots.view(q_start + t), positions, q_start, window, dtype, impl, tree)
 
     def early(self, input_ids, positions, exit_layer: int, slot_positions=None, tree: Tree | None = None):
         """Embed (B, T) tokens and run layers [0, exit_layer): their (B, T, H) layer-E states."""
@@ -138,11 +144,7 @@ class Runner:
         (holes, padding, the sliding window of layer i, a tree) come from the same table."""
         adapter = self.adapter
         q_start, t = cache.layer_length(0), hidden.shape[1]
-        window = adapter.window(i)
-        mask = None
-        if needs_mask(self.slots.has_holes, t, q_start, window, adapter.attn_impl, tree):
-            mask = build_mask(self.slots.view(q_start + t), positions, q_start, window, hidden.dtype,
-                              adapter.attn_impl, tree)
+        mask = self._mask(positions, q_start, t, adapter.window(i), hidden.dtype, tree)
         return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)
 
     # --- the compiled pass ---------------------------------------------------------------------------------------
@@ -164,12 +166,9 @@ class Runner:
         layers = self.cache.layers[start:stop]
         length = layers[0].capacity - 1 if step.cuda else q_start + tb
         live = self.slots.view(q_start + t)
-        masks = {}
-        for i in range(start, stop):
-            window = adapter.window(i)
-            if window not in masks:
-                real = build_mask(live, positions, q_start, window, hidden.dtype, "sdpa", tree)
-                masks[window] = padded_mask(real, q_start, t, tb, length, hidden.dtype, adapter.attn_impl)
+        masks = self._per_window(start, stop, lambda window: padded_mask(
+            build_mask(live, positions, q_start, window, hidden.dtype, "sdpa", tree), q_start, t, tb, length,
+            hidden.dtype, adapter.attn_impl))
         keys, values = zip(*(layer.buffers() for layer in layers))
         step.mark_cache(list(masks.values()), (*keys, *values))
         if tb > t:  # a padding row sits at the last real position (its mask lets it see only its own slot)

@@ -10,7 +10,7 @@ import torch
 
 import selfspec
 from conftest import make_model, prompt
-from selfspec.drafters import DRAFTER_FACTORIES, ConfidenceRule
+from selfspec.drafters import DRAFTERS, ConfidenceRule
 from selfspec.tools import cost_model
 from selfspec.tools.calibrate import (SEARCH_SPACES, SearchSpec, calibrate, default_space_path, encode_turns,
                                       load_calibration_prompts, load_calibration_texts, load_search_spec, pick_prompts,
@@ -603,10 +603,10 @@ def test_shipped_spaces_resolve_for_smollm2(name):
     assert spec.to_dict() == load_search_spec(SEARCH_SPACES / f"{name}.yaml").to_dict() | {"source": spec.source}
     assert default_space_path(name) == SEARCH_SPACES / f"{name}.yaml"
     assert default_space_path("some-org/other-model") == SEARCH_SPACES / "default.yaml"
-    space = resolve_space(spec, num_layers=30, head_layers=[], registered=DRAFTER_FACTORIES)
+    space = resolve_space(spec, num_layers=30, head_layers=[], registered=DRAFTERS)
     assert space.exit_layers == list(range(1, 30)) and space.max_draft_tokens[0] >= 1
     assert space.drafters[0] == "early_exit"
-    assert resolve_space(spec, 30, [6, 12], DRAFTER_FACTORIES).exit_layers == [6, 12]  # heads only when trained
+    assert resolve_space(spec, 30, [6, 12], DRAFTERS).exit_layers == [6, 12]  # heads only when trained
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -782,7 +782,7 @@ def test_every_kind_of_drafting_gets_trials(balance):
 
     spec = SearchSpec.from_dict({"space": {"drafter": ["early_exit", "ngram", "hybrid"], "exit_layer": [1, 2],
                                            "draft_tree_top_k": [1, 2, 3]}})
-    space = resolve_space(spec, 4, [1, 2], DRAFTER_FACTORIES)
+    space = resolve_space(spec, 4, [1, 2], DRAFTERS)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=5))
 
@@ -867,7 +867,7 @@ def test_previous_bests_from_before_the_path_rule_are_measured_with_the_rule_the
            "draft_tree_top_k": 1}
     base = SelfSpecConfig(metadata={"calibration": {"per_drafter": {"early_exit": old}}})
     space = resolve_space(_spec(exit_layer=[2], draft_confidence_cumulative=[True, False]), 4, [],
-                          DRAFTER_FACTORIES)
+                          DRAFTERS)
     study = optuna.create_study(direction="maximize")
     enqueue_previous(study, base, space, log=lambda line: None)
     (queued,) = study.get_trials(deepcopy=False)
@@ -897,7 +897,7 @@ def test_loop_overheads_time_chains_whatever_tree_the_base_config_has():
     token look cheaper than it is."""
     from selfspec.tools.calibrate.predictor import _engine_seconds, loop_probe_configs
 
-    space = resolve_space(load_search_spec("smollm2-135m"), 4, [2], DRAFTER_FACTORIES)
+    space = resolve_space(load_search_spec("smollm2-135m"), 4, [2], DRAFTERS)
     base = selfspec.SelfSpecConfig(exit_layer=2, max_draft_tokens=2, draft_tree_top_k=4, draft_tree_size=4)
     configs = loop_probe_configs(base, space)
     assert {name: c.drafter for name, c in configs.items()} == {

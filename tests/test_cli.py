@@ -392,3 +392,11 @@ def test_calibrate_sampling_flags_need_sample_and_sane_values(capsys):
     assert_one_line_error(code, err, "selfspec calibrate: error: --temperature", "add --sample")
     code, _, err = call(capsys, "calibrate", "--sample", "--top-p", "1.5")
     assert_one_line_error(code, err, "top_p in (0, 1]")
+
+
+def test_cli_drafters_are_the_registrys_searchable_ones():
+    """`selfspec generate --drafter` offers what the drafter registry says a name alone builds."""
+    from selfspec.drafters import DRAFTERS
+    from selfspec.generate_cli import CLI_DRAFTERS
+
+    assert CLI_DRAFTERS == tuple(name for name, entry in DRAFTERS.items() if entry.searchable)

@@ -3,10 +3,13 @@ rows and refuses hidden states from a layer other than the one it verifies from.
 and registered here, outside the package, as a user would."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import selfspec
+from selfspec import SelfSpecConfig
 from conftest import make_model, prompt
 from selfspec.drafters import Draft, Drafter, EarlyExitDrafter, register_drafter
 from selfspec.heads import ExitHead
@@ -62,6 +65,48 @@ def test_registered_outside_drafter_runs_by_name_and_stays_exact(model):
     finally:
         selfspec.unwrap(model)
     assert torch.equal(got, want)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StrideSettings:
+    """A registered drafter's own settings record: read from the config, checked as it is made."""
+
+    stride: int
+    FIELDS = ("max_draft_tokens",)
+
+    def __post_init__(self):
+        if self.stride > 5:
+            raise ValueError(f"stride drafter: max_draft_tokens must be <= 5, got {self.stride}.")
+
+    @staticmethod
+    def of(config):
+        return _StrideSettings(config.max_draft_tokens)
+
+
+def test_a_drafters_records_check_its_settings_and_only_its_own():
+    """The registry is the one place that knows a drafter: its records check the config fields it reads when it
+    is the chosen drafter, and its class says whether exit_layer must be a layer of the model."""
+    from selfspec.drafters import DRAFTERS, HybridPolicy, NgramSettings
+
+    register_drafter("stride", lambda engine: RepeatLastDrafter(), settings=(_StrideSettings,))
+    try:
+        SelfSpecConfig(drafter="stride", max_draft_tokens=5).validate()
+        with pytest.raises(ValueError, match="stride drafter: max_draft_tokens must be <= 5, got 6"):
+            SelfSpecConfig(drafter="stride", max_draft_tokens=6).validate()
+        SelfSpecConfig(drafter="early_exit", exit_layer=2, max_draft_tokens=6).validate()  # not its record
+    finally:
+        DRAFTERS.pop("stride")
+    hybrid = SelfSpecConfig(drafter="hybrid", ngram_max=4, hybrid_policy="lookup-first", hybrid_min_match=3)
+    assert hybrid.drafter_settings()[1:] == (NgramSettings(4, 1), HybridPolicy("lookup-first", 3))
+    with pytest.raises(ValueError, match="need integers 1 <= ngram_min <= ngram_max"):
+        SelfSpecConfig(drafter="ngram", ngram_min=4).validate()
+    SelfSpecConfig(drafter="early_exit", ngram_min=4, exit_layer=2).validate()  # the lookup's, not the head's
+    register_drafter("deep", lambda engine: EarlyExitDrafter(engine.head_for(2)), cls=EarlyExitDrafter)
+    try:
+        with pytest.raises(ValueError, match="exit_layer=9 is out of range for a model with 6 decoder layers"):
+            SelfSpecConfig(drafter="deep", exit_layer=9).validate(num_layers=6)
+    finally:
+        DRAFTERS.pop("deep")
 
 
 def test_loop_writes_accepted_drafts_the_drafter_never_wrote(model):

@@ -9,6 +9,7 @@ contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -118,6 +119,14 @@ class ConfidenceRule:
 
     threshold: float = 0.0
     cumulative: bool = False
+    # the SelfSpecConfig fields this record is read from (registry.DrafterEntry.settings)
+    FIELDS: ClassVar[tuple] = ("draft_confidence_threshold", "draft_confidence_cumulative")
+
+    def __post_init__(self):
+        if isinstance(self.threshold, bool) or not 0.0 <= float(self.threshold) < 1.0:
+            raise ValueError(f"draft_confidence_threshold must be in [0, 1), got {self.threshold!r}.")
+        if not isinstance(self.cumulative, bool):
+            raise ValueError(f"draft_confidence_cumulative must be true or false, got {self.cumulative!r}.")
 
     @staticmethod
     def of(config) -> "ConfidenceRule":

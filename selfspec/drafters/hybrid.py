@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -67,6 +68,11 @@ class HybridPolicy:
 
     name: str = "lookup-then-head"
     min_match: int = 2
+    FIELDS: ClassVar[tuple] = ("hybrid_policy", "hybrid_min_match")  # the config fields it is read from
+
+    @staticmethod
+    def of(config) -> "HybridPolicy":
+        return HybridPolicy(config.hybrid_policy, config.hybrid_min_match)
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -296,4 +302,4 @@ def from_engine(engine) -> HybridChainDrafter:
     cfg = engine.config
     early = EarlyExitDrafter(engine.head_for(cfg.exit_layer), ConfidenceRule.of(cfg))
     cls = HybridTreeDrafter if cfg.draft_tree_top_k > 1 else HybridChainDrafter
-    return cls(early, NgramDrafter(cfg.ngram_max, cfg.ngram_min), HybridPolicy(cfg.hybrid_policy, cfg.hybrid_min_match))
+    return cls(early, NgramDrafter.of(cfg), HybridPolicy.of(cfg))

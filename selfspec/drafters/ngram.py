@@ -16,6 +16,7 @@ the head, so it keeps a SuffixIndex of each row's text on the host instead (the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -44,15 +45,38 @@ def branch_draft(view, tokens: torch.Tensor, parents: torch.Tensor, draft_len: t
     return Draft(tokens=tokens, draft_len=draft_len, parents=parents)
 
 
+@dataclass(frozen=True)
+class NgramSettings:
+    """The lookup's settings: the longest and shortest suffix n-gram it matches."""
+
+    ngram_max: int = 3
+    ngram_min: int = 1
+    FIELDS: ClassVar[tuple] = ("ngram_max", "ngram_min")  # the config fields it is read from
+
+    def __post_init__(self):
+        if not all(type(n) is int for n in (self.ngram_max, self.ngram_min)) \
+                or not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need integers 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min!r}, "
+                             f"ngram_max={self.ngram_max!r}.")
+
+    @staticmethod
+    def of(config) -> "NgramSettings":
+        return NgramSettings(config.ngram_max, config.ngram_min)
+
+
 class NgramDrafter(Drafter):
     name = "ngram"
     drafts_trees = True  # with trees: the continuations of several earlier occurrences, as branches
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
-        if not 1 <= ngram_min <= ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min={ngram_min}, ngram_max={ngram_max}.")
+        NgramSettings(ngram_max, ngram_min)  # raises naming the bad values
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.prompt_pad: torch.Tensor | None = None  # (B, T0) True where the prompt is padding
+
+    @classmethod
+    def of(cls, config) -> "NgramDrafter":
+        settings = NgramSettings.of(config)
+        return cls(settings.ngram_max, settings.ngram_min)
 
     def begin(self, view, prompt) -> None:
         mask = view.mask

@@ -206,9 +206,9 @@ CORE_METHODS = ("hf-greedy", "hf-early-exit", "hf-prompt-lookup", "selfspec-untr
 
 
 def drafter_available(method: Method) -> bool:
-    from ..drafters import DRAFTER_FACTORIES
+    from ..drafters import DRAFTERS
 
-    return not isinstance(method, EngineMethod) or method.drafter in DRAFTER_FACTORIES
+    return not isinstance(method, EngineMethod) or method.drafter in DRAFTERS
 
 
 def default_methods(registry: dict[str, Method] = METHODS) -> tuple:

@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...config import SelfSpecConfig
+from ...drafters.registry import DRAFTERS, searching
 
-SEARCHABLE_DRAFTERS = ("early_exit", "ngram", "hybrid", "none")
-EXIT_DRAFTERS = ("early_exit", "hybrid")  # drafters that run layers [0, E) + the exit head
+# each drafter's knobs are its registry entry's (drafters/registry.py: DrafterEntry.searched)
+SEARCHABLE_DRAFTERS = tuple(name for name, entry in DRAFTERS.items() if entry.searchable)
+EXIT_DRAFTERS = searching("exit_layer")  # drafters that run layers [0, E) + the exit head
 # drafters whose tree shapes the study searches (ngram trees draft without a head: measured slower, left out)
-TREE_DRAFTERS = ("early_exit", "hybrid")
-NGRAM_DRAFTERS = ("ngram", "hybrid")
-RUN_DRAFTERS = ("early_exit", "hybrid")  # drafters whose chains may run past K while they copy (runs_copies)
+TREE_DRAFTERS = searching("draft_tree_top_k")
+NGRAM_DRAFTERS = searching("ngram_max")
+RUN_DRAFTERS = searching("copy_draft_tokens")  # drafters whose chains may run past K while they copy
 # the shipped search specifications, package data (installed with the wheel): <model>.yaml and default.yaml
 SEARCH_SPACES = Path(__file__).resolve().parent / "search_spaces"
 
@@ -323,7 +325,7 @@ def suggest(trial, space: SearchSpace) -> dict:
         params["copy_draft_tokens"] = trial.suggest_categorical("copy_draft_tokens", space.copy_draft_tokens)
     if params["drafter"] in NGRAM_DRAFTERS:
         params["ngram_max"] = _suggest_from(trial, "ngram_max", space.ngram_max)
-    if params["drafter"] == "hybrid":
+    if params["drafter"] in searching("hybrid_policy"):
         params["hybrid_min_match"] = _suggest_from(trial, "hybrid_min_match", space.hybrid_min_match)
         params["hybrid_policy"] = trial.suggest_categorical("hybrid_policy", space.hybrid_policy)
     return params

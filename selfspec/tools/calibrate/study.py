@@ -414,14 +414,14 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     """Search the fastest setting of `model` (wrapped or not; heads already attached) over `prompts` ((1, T) ids
     each). The space is checked before anything runs. Writes config + report into `output` when given."""
     import optuna
-    from ...drafters import DRAFTER_FACTORIES
+    from ...drafters import DRAFTERS
 
     spec = spec or SearchSpec()
     _ensure_wrapped(model)
     model.selfspec.timed = True  # the cost model reads draft and verify seconds: make them true on a GPU too
     engine = model.selfspec
     base = engine.config
-    space = resolve_space(spec, engine.adapter.num_layers, list(engine.heads), DRAFTER_FACTORIES)
+    space = resolve_space(spec, engine.adapter.num_layers, list(engine.heads), DRAFTERS)
     _check_budget(trials, timeout, prompts)
     check_seeds(spec.search.enqueue, space)
     if storage is None:
