@@ -7,17 +7,12 @@ parameters, so saving a head writes only what it adds.
 """
 from __future__ import annotations
 
-import copy
-import weakref
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from .arch.base import ArchAdapter
-from .distributed import is_dtensor
-from .draft_length import copies
-from .lookup import prefix_copy_candidates
+from .draft_logits import lm_logits, token_logits
+from .tp_weights import whole_copy
 
 
 class ExitHead(nn.Module):
@@ -218,7 +213,7 @@ class AttentionHead(ExitHead):
             raise ValueError(
                 f"An attention head copies decoder layer {source}, but its weights are quantized or offloaded. "
                 "Build and train heads on the unquantized model, then load them into the quantized one.")
-        return cls(exit_layer, _whole_copy(layer).requires_grad_(True), source, context, vocab_ids)
+        return cls(exit_layer, whole_copy(layer).requires_grad_(True), source, context, vocab_ids)
 
     @classmethod
     def from_spec(cls, spec: dict, adapter: ArchAdapter) -> "AttentionHead":
@@ -281,143 +276,6 @@ class AttentionHead(ExitHead):
         return self.logits(out[:, t:], adapter)
 
 
-def teacher_forced_logits(head: ExitHead, states, adapter: ArchAdapter, rows: slice) -> torch.Tensor:
-    """(N, V_draft) draft logits at `rows` of one text, from HF's hidden states of it (embeddings, each layer's
-    output, the last one final-normed): each row drafting the next token; an attention head sees the context
-    of a round's first draft (final states before it)."""
-    if head.stateful:
-        return head.teacher_forced(states[head.exit_layer], states[-1], adapter)[0, rows]
-    prev = previous_top(states[-1])[:, rows] if head.reads_top else None
-    return head(states[head.exit_layer][:, rows], adapter, prev)[0]
-
-
-def full_vocab_logits(sub: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """(..., V_draft) head logits -> (..., V), -inf outside the head's draft vocabulary."""
-    if vocab_ids is None:
-        return sub
-    full = sub.new_full((*sub.shape[:-1], vocab_size), float("-inf"))
-    return full.index_copy_(sub.dim() - 1, vocab_ids.to(sub.device), sub)
-
-
-@dataclass
-class DraftLogits:
-    """A head's float draft logits at (...) positions, kept as scored: `sub` (..., V_draft) over its draft
-    vocabulary `vocab_ids` (V_draft,) (None: the whole vocabulary), and a copy head's candidate `token` (...) with
-    its logit `copy` (...) (-inf: none), which replaces whatever the vocabulary gave that token. Every other token
-    is -inf. The full (..., V) row is for sampling and logits processors; a greedy draft needs V_draft + 1 columns."""
-
-    sub: torch.Tensor
-    vocab_ids: torch.Tensor | None
-    vocab_size: int
-    token: torch.Tensor | None = None
-    copy: torch.Tensor | None = None
-    match: torch.Tensor | None = None  # (...) the candidate's match length (draft_length.copies reads it)
-
-    def last(self) -> "DraftLogits":
-        """(B, T, ...) positions -> the last one's (B, ...)."""
-        pick = (lambda x: None if x is None else x[:, -1])
-        return DraftLogits(self.sub[:, -1], self.vocab_ids, self.vocab_size, pick(self.token), pick(self.copy),
-                           pick(self.match))
-
-    def copying(self, token: torch.Tensor) -> torch.Tensor:
-        """(...) whether the drafts `token` copy the text (draft_length.copies); all False without a candidate."""
-        if self.token is None:
-            return torch.zeros_like(token, dtype=torch.bool)
-        return copies(token, self.token, self.match)
-
-    def full(self) -> torch.Tensor:
-        """(..., V) logits over the full vocabulary."""
-        full = full_vocab_logits(self.sub, self.vocab_ids, self.vocab_size)
-        if self.token is None:
-            return full
-        where = self.token.clamp(min=0)[..., None]
-        kept = full.gather(-1, where)[..., 0]
-        return full.scatter(-1, where, torch.where(self.copy > float("-inf"), self.copy, kept)[..., None])
-
-    def columns(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values (..., C), ids (..., C)): the logits that can be finite and their token ids, in id order but for
-        a candidate outside the draft vocabulary, last. C = V_draft + 1 with a candidate, V_draft without."""
-        if self.vocab_ids is None:
-            values = self.full()
-            return values, torch.arange(values.shape[-1], device=values.device).expand_as(values)
-        ids = self.vocab_ids.to(self.sub.device).expand_as(self.sub)
-        if self.token is None:
-            return self.sub, ids
-        # the candidate takes its vocabulary slot where it has one, else the extra column
-        slot = _slots(self.vocab_ids, self.vocab_size, self.sub.device)[self.token.clamp(min=0)][..., None]
-        values = torch.cat([self.sub, torch.full_like(self.sub[..., :1], float("-inf"))], dim=-1)
-        kept = values.gather(-1, slot)[..., 0]
-        values.scatter_(-1, slot, torch.where(self.copy > float("-inf"), self.copy, kept)[..., None])
-        return values, torch.cat([ids, self.token[..., None]], dim=-1)
-
-    def greedy(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token (...), top (...)): the argmax of `full()` (among equal logits the smallest id, as argmax picks)
-        and its softmax probability, from the finite columns alone."""
-        values, ids = self.columns()
-        top = values.amax(-1, keepdim=True)
-        token = torch.where(values == top, ids, self.vocab_size).amin(-1)
-        return token, torch.softmax(values, dim=-1).amax(-1)
-
-    def top_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities (..., k), tokens (..., k)): the k most probable tokens of `full()`, best first, from
-        the finite columns alone (a tree node's children)."""
-        values, ids = self.columns()
-        if k > values.shape[-1]:  # fewer columns than children asked for: rank the full row
-            return torch.log_softmax(self.full(), dim=-1).topk(k, dim=-1)
-        logp, index = torch.log_softmax(values, dim=-1).topk(k, dim=-1)
-        return logp, ids.gather(-1, index)
-
-
-_SLOTS: dict = {}  # id(vocab_ids) -> (a weak reference to it, (V,) each token's column: its slot, else V_draft)
-
-
-def _slots(vocab_ids: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
-    entry = _SLOTS.get(id(vocab_ids))
-    if entry is None or entry[0]() is not vocab_ids or entry[1].device != torch.device(device):
-        slots = torch.full((vocab_size,), vocab_ids.numel(), dtype=torch.long, device=device)
-        slots[vocab_ids.to(device)] = torch.arange(vocab_ids.numel(), device=device)
-        entry = _SLOTS[id(vocab_ids)] = (weakref.ref(vocab_ids), slots)
-    return entry[1]
-
-
-def draft_scores(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, vocab_size: int, token=None,
-                 match=None) -> DraftLogits:
-    """(B, T, H) a head's normed outputs -> its DraftLogits at (B, T), with a copy head's candidates `token` /
-    `match` (B, T) scored when given: what the drafter, the cost model's profile and eval_heads' replay all draft
-    from."""
-    sub = lm_logits(adapter, normed, head.vocab_ids).float()
-    if token is None or not head.copy_max:
-        return DraftLogits(sub, head.vocab_ids, vocab_size)
-    copy = head.copy_logit(normed, adapter, token, match)
-    return DraftLogits(sub, head.vocab_ids, vocab_size, token, copy, match)
-
-
-def draft_logits(head: ExitHead, adapter: ArchAdapter, normed: torch.Tensor, vocab_size: int, token=None,
-                 match=None) -> torch.Tensor:
-    """draft_scores as (B, T, V) float logits over the full vocabulary (-inf outside the head's)."""
-    return draft_scores(head, adapter, normed, vocab_size, token, match).full()
-
-
-def teacher_forced_candidates(head: ExitHead, text: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token (N,), match (N,)) a copy head's candidates at `rows` of one text (1, T), each looked up in the text up
-    to its row, as the drafter does (-1 and 0 where none), on the text's device."""
-    found = prefix_copy_candidates(text[0, : rows.stop].tolist(), head.copy_max)
-    token, match = (torch.tensor(c)[rows].to(text.device) for c in found)
-    return token, match
-
-
-def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, text: torch.Tensor,
-                               rows: slice, candidates: tuple | None = None) -> torch.Tensor:
-    """(N, V) full-vocabulary draft logits of a copy head at `rows` of one text (1, T) from HF's hidden states of
-    it, each row a step's first draft, with the candidates looked up in the text up to the row, as the drafter
-    does (`candidates`: teacher_forced_candidates' own, when the caller has them already)."""
-    prev = previous_top(states[-1])[:, rows] if head.reads_top else None
-    normed = head.normed(states[head.exit_layer][:, rows], adapter, prev)  # (1, N, H)
-    token, match = candidates or teacher_forced_candidates(head, text, rows)
-    return draft_logits(head, adapter, normed, adapter.vocab_size, token[None].to(normed.device),
-                        match[None].to(normed.device))[0]
-
-
 def previous_top(top: torch.Tensor) -> torch.Tensor:
     """(B, T, H) final states -> the state before each position (zeros before the first): a top-reading head's
     `prev_top` in teacher-forced use."""
@@ -431,109 +289,3 @@ def frequent_token_ids(token_ids: torch.Tensor, size: int, always: list[int] | N
     top = top[counts[top] > 0]
     ids = torch.unique(torch.cat([top, torch.tensor(always or [], dtype=torch.long)]))
     return ids
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Tensor-parallel models (weights are DTensors, sharded over the ranks of a torchrun job). Heads are replicated:
-# every rank holds all of a head and computes it alone, so drafting adds no collective per drafted token. The
-# draft-vocabulary rows of a sharded LM head are gathered once (only those rows: 38 ms against 234 ms for the whole
-# head) and cached. Measured on CPU/gloo, 2 ranks: scoring SmolLM2's 3580 draft rows
-# (H = 576) from replicated rows took 0.15 ms per drafted token against 1.6 ms for each rank scoring the rows it
-# holds plus an all-gather of the logits; at H = 2048 with 8192 rows the two were even (5.1 against 4.8 ms).
-# Every function here that gathers is a collective: all ranks call it together, as the decode loop does.
-
-def lm_logits(adapter: ArchAdapter, normed: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
-    """The LM head on final-normed states (B, T, H), over the full vocabulary or only `vocab_ids`, also when the
-    LM head's weight is a DTensor (there the full-vocabulary head gathers its own output)."""
-    head = adapter.lm_head
-    if vocab_ids is None or not is_dtensor(getattr(head, "weight", None)):
-        return adapter.logits(normed, vocab_ids)
-    rows, bias = _replicated_rows(head, vocab_ids)
-    out = nn.functional.linear(normed.to(rows.device), rows, bias)
-    return out if adapter.home is None else out.to(adapter.home)
-
-
-def token_logits(adapter: ArchAdapter, normed: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """The LM head's float logit of one token per state: (..., H) final-normed states, (...) token ids -> (...).
-    A plain weight gives each its row's dot product (a copy head scores one candidate per drafted token, and a
-    call through the LM head with a fresh row set would gather and cache those rows first); other weights (sharded,
-    quantized, offloaded) go through lm_logits with the tokens as rows, each state reading its own column."""
-    weight = getattr(adapter.lm_head, "weight", None)
-    plain = (isinstance(weight, torch.Tensor) and not is_dtensor(weight) and weight.is_floating_point()
-             and weight.device.type != "meta" and getattr(adapter.lm_head, "bias", None) is None)
-    if not plain:
-        n = token.numel()
-        out = lm_logits(adapter, normed.reshape(1, n, normed.shape[-1]), token.reshape(n))[0]  # (N, N)
-        return out.diagonal().float().view(token.shape)
-    dtype = torch.promote_types(weight.dtype, torch.float32)
-    rows = weight[token.to(weight.device)]  # (..., H)
-    out = torch.linalg.vecdot(normed.to(weight.device, dtype), rows.to(dtype))
-    out = adapter.cap_logits(out)
-    return out if adapter.home is None else out.to(adapter.home)
-
-
-def dense_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """weight[rows] as a plain tensor. For a DTensor sharded by rows (an LM head under a tensor-parallel plan),
-    each rank contributes the requested rows it holds and one all-gather assembles them; other layouts gather the
-    whole tensor. Collective for a DTensor: every rank of its mesh must call it with the same rows."""
-    if not is_dtensor(weight):
-        return weight[rows.to(weight.device)]
-    from torch.distributed.tensor import Shard
-
-    weight = weight.detach()
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or weight.placements[0] != Shard(0):
-        return weight.full_tensor()[rows.to(weight.to_local().device)]
-    local = weight.to_local()
-    rows = rows.to(local.device).long()
-    group, world = mesh.get_group(), mesh.size()
-    sizes = [torch.zeros(1, dtype=torch.long, device=local.device) for _ in range(world)]
-    torch.distributed.all_gather(sizes, torch.tensor([local.shape[0]], device=local.device), group=group)
-    bounds = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long, device=local.device), *sizes]), 0).tolist()
-    owned = [(rows >= bounds[r]) & (rows < bounds[r + 1]) for r in range(world)]
-    width = max(int(m.sum()) for m in owned)
-    me = mesh.get_local_rank()
-    mine = local[rows[owned[me]] - bounds[me]]
-    padded = torch.zeros(width, *local.shape[1:], dtype=local.dtype, device=local.device)
-    padded[: mine.shape[0]] = mine
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    torch.distributed.all_gather(parts, padded, group=group)
-    out = torch.empty(len(rows), *local.shape[1:], dtype=local.dtype, device=local.device)
-    for r in range(world):
-        out[owned[r]] = parts[r][: int(owned[r].sum())]
-    return out
-
-
-# id(vocab_ids) -> (weakref to vocab_ids, LM-head weight, its version, rows, bias rows): gathered once per draft
-# vocabulary and LM head, dropped with the vocab_ids tensor, regathered if the weight changes
-_TP_ROWS: dict[int, tuple] = {}
-
-
-def _replicated_rows(head: nn.Module, vocab_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = head.weight
-    key = id(vocab_ids)
-    hit = _TP_ROWS.get(key)
-    if hit is not None and hit[0]() is vocab_ids and hit[1] is weight and hit[2] == weight._version:
-        return hit[3], hit[4]
-    rows = dense_rows(weight, vocab_ids)
-    bias = getattr(head, "bias", None)
-    bias = None if bias is None else dense_rows(bias, vocab_ids)
-    if hit is None or hit[0]() is not vocab_ids:
-        weakref.finalize(vocab_ids, _TP_ROWS.pop, key, None)
-    _TP_ROWS[key] = (weakref.ref(vocab_ids), weight, weight._version, rows, bias)
-    return rows, bias
-
-
-def _whole_copy(layer: nn.Module) -> nn.Module:
-    """A copy of a decoder layer for an attention head. On a tensor-parallel model the copy gets whole (gathered)
-    weights and loses the tensor-parallel forward wrappers, so the head runs alone on every rank (replicated);
-    otherwise it is a plain deep copy. Collective on a tensor-parallel model (one gather per sharded weight)."""
-    whole = {id(p): nn.Parameter(p.detach().full_tensor(), requires_grad=p.requires_grad)
-             for p in layer.parameters() if is_dtensor(p)}
-    if not whole:
-        return copy.deepcopy(layer)
-    out = copy.deepcopy(layer, memo=dict(whole))
-    for module in out.modules():
-        module.__dict__.pop("forward", None)  # transformers installs the sharded forward on the instance
-        module.__dict__.pop("_is_hooked", None)
-    return out

@@ -11,7 +11,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import CONFIG_FIX, CONFIG_NAME, SelfSpecConfig, read_config_json
-from .heads import ExitHead, build_head, dense_rows
+from .heads import ExitHead, build_head
+from .tp_weights import dense_rows
 
 HEADS_FILE = "heads.safetensors"
 _FINGERPRINT_ROWS = 64

@@ -17,7 +17,7 @@ import torch
 
 from .cache import SlotTable, SpecCache
 from .decoding import DecodeSettings, call_capacity
-from .heads import lm_logits
+from .draft_logits import lm_logits
 from .runner import Runner
 
 PROMPT = 8  # tokens of the throwaway prompt the passes run after (any length: the cache length is dynamic)

@@ -274,7 +274,7 @@ def test_sampled_copy_runs_negative_control(copy_target, monkeypatch):
     distribution's top token). The candidate is then drafted there only as often as q draws it and accepted as
     often as p allows, and comes out too often where runs were offered."""
     import selfspec.drafters.early_exit as early_exit
-    from selfspec.heads import DraftLogits
+    from selfspec.draft_logits import DraftLogits
     from test_drafters import ALPHA
 
     sampled = {}

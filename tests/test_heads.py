@@ -134,7 +134,7 @@ def test_unrolled_loss_reads_the_heads_own_estimate():
     """--unroll trains a top-reading head as the loop drafts: the second position of a run reads the head's own
     normed output at the first, not the true final state (planting the true state in its place changes the loss)."""
     from selfspec.training.train_heads import distill_terms, unroll_starts, unrolled_loss
-    from selfspec.heads import lm_logits
+    from selfspec.draft_logits import lm_logits
 
     model = make_model("llama", 4, agreeable=False)
     selfspec.wrap(model, exit_layer=2)
@@ -327,7 +327,7 @@ def test_eval_replay_counts_the_steps_the_decode_loop_takes(kind):
         accepted += stats.accepted_tokens
         assert replay(head, adapter, states, ref[0, p:], p, 4, 30, text=ref) == stats.verify_steps, seed
         if not head.stateful:  # the ranked first drafts: best first, as a tree's root ranks its children
-            from selfspec.heads import teacher_forced_copy_logits, teacher_forced_logits
+            from selfspec.head_replay import teacher_forced_copy_logits, teacher_forced_logits
             from selfspec.training.eval_heads import first_drafts
 
             ranked = first_drafts(head, adapter, states, p, 30, ranks=4, text=ref)  # (30, 4)
@@ -347,7 +347,7 @@ def test_greedy_draft_from_the_scored_columns_is_the_full_rows_argmax():
     """DraftLogits.greedy (the drafter's greedy choice over V_draft + 1 columns) against argmax and softmax of the
     full (B, T, V) row: candidates inside and outside the draft vocabulary, none, and planted ties, where argmax
     takes the smallest id; and DraftLogits.top_k (a tree node's children) against the full row's top-k."""
-    from selfspec.heads import DraftLogits
+    from selfspec.draft_logits import DraftLogits
 
     g = torch.Generator().manual_seed(0)
     vocab_ids = torch.tensor([1, 4, 5, 9, 12, 13, 20])
@@ -372,7 +372,7 @@ def test_greedy_draft_from_the_scored_columns_is_the_full_rows_argmax():
 def test_token_logits_score_as_the_lm_head_rows_do():
     """token_logits (a copy candidate's own logit, one row per state) against the LM head's logits for those ids,
     on Llama and on Gemma 2, whose soft-capping the row's dot product must apply too."""
-    from selfspec.heads import lm_logits, token_logits
+    from selfspec.draft_logits import lm_logits, token_logits
 
     for family in ("llama", "gemma2"):
         model = make_model(family, 2).double()

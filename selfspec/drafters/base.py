@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from ..heads import DraftLogits
+from ..draft_logits import DraftLogits
 from ..sampling import logits_to_probs, sample
 from ..view import DraftView
 
@@ -143,7 +143,7 @@ class ConfidenceRule:
 
 def choose_draft(view, logits, drafts, scored: bool = False):
     """The draft step of every drafter that scores the vocabulary: a drafter's raw (B, V) logits (or a head's
-    heads.DraftLogits) for the draft after `drafts` (the row's drafts before it: (B, w), or a list of w (B,)
+    draft_logits.DraftLogits) for the draft after `drafts` (the row's drafts before it: (B, w), or a list of w (B,)
     tensors) go through the loop's logits processors (view.process), then each row takes a sample of the processed
     distribution when sampling, else its argmax.
 

@@ -7,7 +7,8 @@ import torch
 
 from ..draft_length import chain_may_draft
 from ..head_state import CopyPaths, HeadCache, TopStates
-from ..heads import DraftLogits, ExitHead, draft_scores
+from ..draft_logits import DraftLogits, draft_scores
+from ..heads import ExitHead
 from .base import ConfidenceRule, Draft, Drafter, DraftView, PromptStates, VerifyStep, choose_draft
 from .tree import grow_tree
 
@@ -64,7 +65,7 @@ class EarlyExitDrafter(Drafter):
                     every: bool = False, parents: torch.Tensor | None = None,
                     inputs: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> DraftLogits:
         """(B, T, H) layer-E states of the inputs just run through layers [0, E), at (B, T) positions -> the draft
-        logits (heads.DraftLogits) for the token after the last one (with `every`: at (B, T), after each). A
+        logits (draft_logits.DraftLogits) for the token after the last one (with `every`: at (B, T), after each). A
         stateful head takes all T inputs into its cache (`tree`: the step's ancestor matrix in a tree); a
         top-reading head reads each input's parent's state (`parents`, see TopStates.normed); a copy head the
         prompt-lookup candidate after each input (the (B, T) `inputs` tokens; without them it drafts as if none

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..heads import DraftLogits
+from ..draft_logits import DraftLogits
 from ..trees import tree_ancestors
 from .base import Draft
 

@@ -25,7 +25,7 @@ from ..cache import SlotTable, SpecCache
 from ..drafters.base import ConfidenceRule
 from ..draft_length import chain_may_draft, copies
 from ..drafters.early_exit import EarlyExitDrafter
-from ..heads import teacher_forced_candidates, teacher_forced_copy_logits, teacher_forced_logits
+from ..head_replay import teacher_forced_candidates, teacher_forced_copy_logits, teacher_forced_logits
 from ..runner import Runner
 from .measure import fastest
 from .replay import accepted_drafts, replay_greedy

@@ -99,7 +99,7 @@ def first_drafts(head, adapter, states, p: int, n: int, ranks: int = 1, text=Non
     before it (all rounds' first drafts; for stateless and context="early" heads also every later draft, since
     their inputs are the same). Column 0 is the draft a chain makes; the others are what a tree's root adds.
     A copy head also reads its candidates from `text` (1, p + n), the prompt and answer."""
-    from selfspec.heads import teacher_forced_copy_logits, teacher_forced_logits
+    from selfspec.head_replay import teacher_forced_copy_logits, teacher_forced_logits
 
     rows = slice(p - 1, p - 1 + n)
     if head.copy_max:
@@ -177,7 +177,7 @@ class TopChain:
 
     def drafts(self, r: int, room: int) -> torch.Tensor:
         """(room,) draft ids for positions r+1 .. r+room of a round whose pending token sits at position r."""
-        from selfspec.heads import draft_logits, lm_logits
+        from selfspec.draft_logits import draft_logits, lm_logits
 
         if room == 0:
             return torch.zeros(0, dtype=torch.long)

@@ -180,7 +180,7 @@ def frozen_scores(head, adapter, rows: dict, chunk: int = 4096) -> dict:
     """What the fit needs of the frozen head per row: its normed state, the candidate's own logit, the log-sum-exp
     and the best of the other draft-vocabulary logits, and whether the target is the candidate, the best other
     token, or neither representable (then the row is dropped)."""
-    from selfspec.heads import lm_logits
+    from selfspec.draft_logits import lm_logits
 
     vocab = head.vocab_ids
     out = {k: [] for k in ("normed", "own", "lse_rest", "max_rest", "rest_right", "is_copy", "target_logit", "ok")}

@@ -205,7 +205,7 @@ def unrolled_loss(head, rows, idx, key, adapter, vocab_ids, vocab_index, ce_weig
     first position reads the true previous final state, each later one the head's own normed output at the
     position before (as the loop's drafts 2.. do), gradients flowing through it. The mean over positions of
     distill_terms."""
-    from selfspec.heads import lm_logits
+    from selfspec.draft_logits import lm_logits
 
     def column(name, j):
         return rows[name][idx + j].to(device, dtype)
