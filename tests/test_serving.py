@@ -121,16 +121,41 @@ def test_vllm_serves_selfspecs_drafters_with_its_own_outputs(tmp_path, smollm2):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run(
         [VLLM_PYTHON, "-m", "selfspec.serving.vllm_bench", "--draft", str(tmp_path / "draft"), "--dtype", "float32",
-         "--methods", "vllm", "selfspec-ngram", "selfspec-heads", "--limit", "1", "--categories", "qa", "rag",
+         "--methods", "vllm", "selfspec-ngram", "selfspec-heads", "--ngram-tokens", "4", "--limit", "1",
+         "--categories", "qa", "rag",
          "--max-new-tokens", "48", "--concurrency", "2", "--output", str(tmp_path / "bench")],
         env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "bench" / "results.json").read_text())
-    for name in ("selfspec-ngram", "selfspec-heads"):
+    assert results["best"] == {"selfspec-ngram": {"one": "selfspec-ngram-4", "many": "selfspec-ngram-4"}}
+    for name in ("selfspec-ngram-4", "selfspec-heads"):
         for mode in ("one", "many"):
             row = results["methods"][name][mode]
             assert row["differs"] == 0 and row["near_tie"] == 0, (name, mode, results["verdicts"])
     assert results["methods"]["selfspec-heads"]["one"]["mean_accepted"] > 1.1
+
+
+def test_the_vllm_bench_runs_each_lookup_at_every_length_and_names_its_fastest():
+    """Baselines at their strongest: vLLM's n-gram method and selfspec's lookup get a row per draft length, and the
+    report compares the head with each lookup's fastest row per load, not with one setting."""
+    from selfspec.serving.vllm_bench import best_lookups, expand, method_specs, report
+
+    rows = expand(["vllm", "vllm-ngram", "selfspec-heads"], [2, 4, 8])
+    assert rows == ["vllm", "vllm-ngram-2", "vllm-ngram-4", "vllm-ngram-8", "selfspec-heads"]
+    specs = method_specs({"directory": "d", "num_speculative_tokens": 3}, [2, 4, 8])
+    assert specs["vllm-ngram-4"]["num_speculative_tokens"] == 4 and specs["vllm"] is None
+    assert set(rows) <= set(specs)
+    speed = {"vllm": (10, 10), "vllm-ngram-2": (15, 30), "vllm-ngram-4": (18, 20), "vllm-ngram-8": (16, 12),
+             "selfspec-heads": (20, 15)}
+    table = {name: {mode: {"tokens_per_s": v, "speedup": v / speed["vllm"][i], "mean_accepted": None,
+                           "identical": 1, "near_tie": 0, "differs": 0}
+                    for i, (mode, v) in enumerate(zip(("one", "many"), pair))} for name, pair in speed.items()}
+    best = best_lookups(table)
+    assert best == {"vllm-ngram": {"one": "vllm-ngram-4", "many": "vllm-ngram-2"}}
+    text = report({"concurrency": 8, "vllm": "x", "dtype": "bfloat16", "prompts": 1, "max_new_tokens": 8,
+                   "threads": "1", "command": "c", "methods": table, "best": best})
+    assert ("- fastest vllm-ngram: 1 request: vllm-ngram-4 (1.80x), 8 at once: vllm-ngram-2 (3.00x); "
+            "selfspec-heads against it: 1.11x, 0.50x") in text
 
 
 def _proposer(k=6, max_model_len=200):

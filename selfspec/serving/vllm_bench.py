@@ -5,9 +5,12 @@
 DIR is what `selfspec export-vllm` wrote (it names the target). Methods, each in a vLLM engine of its own:
 
     vllm             no speculation: the reference every output is compared with
-    vllm-ngram       vLLM's own prompt lookup (`method: ngram`), with selfspec-ngram's draft length and n range
-    selfspec-ngram   selfspec's prompt lookup as vLLM's `custom_class` proposer (vllm_ngram.py)
+    vllm-ngram-N     vLLM's own prompt lookup (`method: ngram`, n-grams 1..3), drafting N tokens
+    selfspec-ngram-N selfspec's prompt lookup as vLLM's `custom_class` proposer (vllm_ngram.py), drafting N tokens
     selfspec-heads   the exported exit head as vLLM's EAGLE draft model (vllm_draft.py)
+
+The lookups run at every length of `--ngram-tokens` (2, 4 and 8 by default), and the report names each lookup's
+fastest length per load: a drafter is compared with a lookup at its best, not at one setting.
 
 Every method decodes the eval split's prompts greedily, first one request at a time, then `--concurrency` at once
 (vLLM's own scheduler batches them). Where an output parts from the reference, the verdict is selfspec's rule
@@ -30,16 +33,37 @@ from ..tools.verdict import decide, first_difference
 TOP = 20  # log-probabilities vLLM returns per position for the verdict
 
 
-def method_specs(draft: dict, ngram_tokens: int = 8) -> dict[str, dict | None]:
-    """Method name -> vLLM speculative_config (None: no speculation)."""
-    lookup = {"num_speculative_tokens": ngram_tokens}
-    return {
-        "vllm": None,
-        "vllm-ngram": {"method": "ngram", **lookup, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
-        "selfspec-ngram": {"method": "custom_class", "model": "selfspec.serving.vllm_ngram.NgramProposer", **lookup},
-        "selfspec-heads": {"method": "eagle", "model": draft["directory"],
-                           "num_speculative_tokens": draft["num_speculative_tokens"]},
-    }
+LOOKUPS = ("vllm-ngram", "selfspec-ngram")  # the methods measured at each --ngram-tokens length
+
+
+def method_specs(draft: dict, ngram_tokens=(2, 4, 8)) -> dict[str, dict | None]:
+    """Method name -> vLLM speculative_config (None: no speculation); a lookup gets one row per draft length."""
+    specs = {"vllm": None}
+    for n in ngram_tokens:
+        specs[f"vllm-ngram-{n}"] = {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 3,
+                                    "prompt_lookup_min": 1}
+    for n in ngram_tokens:
+        specs[f"selfspec-ngram-{n}"] = {"method": "custom_class", "num_speculative_tokens": n,
+                                        "model": "selfspec.serving.vllm_ngram.NgramProposer"}
+    specs["selfspec-heads"] = {"method": "eagle", "model": draft["directory"],
+                               "num_speculative_tokens": draft["num_speculative_tokens"]}
+    return specs
+
+
+def expand(methods: list[str], ngram_tokens) -> list[str]:
+    """The rows of the chosen methods: each lookup at every draft length, the others as named."""
+    return [row for m in methods for row in ([f"{m}-{n}" for n in ngram_tokens] if m in LOOKUPS else [m])]
+
+
+def best_lookups(table: dict) -> dict:
+    """{lookup: {mode: its fastest row}} among a results table's rows of each lookup."""
+    best = {}
+    for family in LOOKUPS:
+        rows = [name for name in table if name.startswith(f"{family}-") and name.removeprefix(f"{family}-").isdigit()]
+        if rows:
+            best[family] = {mode: max(rows, key=lambda name: table[name][mode]["tokens_per_s"])
+                            for mode in ("one", "many")}
+    return best
 
 
 def workload(target: str, limit: int | None, categories: list[str] | None = None) -> tuple[list[dict], list[int]]:
@@ -168,9 +192,9 @@ def compare(args) -> dict:
     args.target = args.target or draft["target"]
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = method_specs(draft)
+    specs = method_specs(draft, args.ngram_tokens)
     runs = {}
-    for name in args.methods:
+    for name in expand(args.methods, args.ngram_tokens):
         print(f"{name} ...", flush=True)
         runs[name] = _child(args, out_dir / f"{name}.json", spec=json.dumps(specs[name]) if specs[name] else "")
     prompts, _ = workload(args.target, args.limit, args.categories)
@@ -205,7 +229,7 @@ def compare(args) -> dict:
     results = {"command": " ".join(["python -m selfspec.serving.vllm_bench"] + sys.argv[1:]),
                "vllm": vllm.__version__, "target": args.target, "dtype": args.dtype, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
-               "threads": os.environ.get("OMP_NUM_THREADS"), "methods": table,
+               "threads": os.environ.get("OMP_NUM_THREADS"), "methods": table, "best": best_lookups(table),
                "verdicts": [{k: v for k, v in d.items() if k not in ("prompt", "want", "got")} for d in verdicts]}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(report(results))
@@ -229,6 +253,18 @@ def report(results: dict) -> str:
         lines.append(f"| {name} | {one['tokens_per_s']:.1f} | {one['speedup']:.2f}x | {accepted} | "
                      f"{one['identical']} / {one['near_tie']} / {one['differs']} | {many['tokens_per_s']:.1f} | "
                      f"{many['speedup']:.2f}x | {many['identical']} / {many['near_tie']} / {many['differs']} |")
+    table, best = results["methods"], results.get("best") or {}
+    if best:
+        lines.append("")
+    for family, rows in best.items():
+        words = [f"{'1 request' if mode == 'one' else f'{n} at once'}: {row} ({table[row][mode]['speedup']:.2f}x)"
+                 for mode, row in rows.items()]
+        line = f"- fastest {family}: " + ", ".join(words)
+        if "selfspec-heads" in table:
+            line += "; selfspec-heads against it: " + ", ".join(
+                f"{table['selfspec-heads'][mode]['tokens_per_s'] / table[row][mode]['tokens_per_s']:.2f}x"
+                for mode, row in rows.items())
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -239,6 +275,8 @@ def main(argv=None) -> None:
     p.add_argument("--methods", nargs="+", default=["vllm", "vllm-ngram", "selfspec-ngram", "selfspec-heads"],
                    choices=["vllm", "vllm-ngram", "selfspec-ngram", "selfspec-heads"],
                    help="what to compare; vllm (the reference) is always run first")
+    p.add_argument("--ngram-tokens", type=int, nargs="+", default=[2, 4, 8],
+                   help="draft lengths the lookups run at, one row each (default: 2 4 8)")
     p.add_argument("--limit", type=int, default=4, help="prompts per eval category (default 4: 20 prompts)")
     p.add_argument("--categories", nargs="+", help="eval categories to run (default: all five)")
     p.add_argument("--max-new-tokens", type=int, default=128)
