@@ -89,6 +89,30 @@ def test_negative_control_always_accept_fails(model_and_prompt, monkeypatch):
     assert min(pvalues[1:]) < ALPHA, pvalues  # the drafted positions are off
 
 
+def test_sampling_with_an_attention_head_matches_target_and_its_planted_bug_does_not(model_and_prompt, monkeypatch):
+    """A head with sequence context (its own cache over the final states of verified positions, context="top")
+    drafts from a distribution of its own; rejection sampling keeps the output the target's. Accepting every draft
+    (planted) puts the drafted positions off, which the same check sees."""
+    from selfspec.heads import AttentionHead
+
+    model, prompt = model_and_prompt
+
+    def sampled():
+        selfspec.wrap(model, exit_layer=1, max_draft_tokens=2)
+        model.selfspec.add_head(AttentionHead.from_model(model.selfspec.adapter, 1, context="top"))
+        try:
+            return _sampled_pvalues(model, prompt), model.selfspec.last_stats
+        finally:
+            selfspec.unwrap(model)
+
+    pvalues, stats = sampled()
+    assert 0.05 < stats.acceptance_rate < 0.95, stats
+    assert min(pvalues) > ALPHA, pvalues
+    monkeypatch.setattr(selfspec.decoding, "choose", accept_everything)
+    pvalues, _ = sampled()
+    assert min(pvalues[1:]) < ALPHA, pvalues
+
+
 # --- the pure functions on hand-made distributions ------------------------------------------------------------
 
 def test_verify_sampling_single_position_distribution():
