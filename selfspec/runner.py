@@ -103,7 +103,8 @@ class Runner:
             self.slots.write(q_start, positions if slot_positions is None else slot_positions)
         if self._compiles(start, stop, q_start, t):
             return self._compiled_pass(start, stop, hidden, positions, q_start, tree)
-        masks = self._per_window(start, stop, lambda window: self._mask(positions, q_start, t, window, hidden.dtype,
+        live = self.slots.view(q_start + t)
+        masks = self._per_window(start, stop, lambda window: self._mask(live, positions, q_start, window, hidden.dtype,
                                                                          tree))
         return layer_range(self.model_adapter, start, stop, hidden, positions, masks, self.cache)
 
@@ -111,13 +112,13 @@ class Runner:
         """{window: mask_for(window)} for the attention windows of layers [start, stop), each built once."""
         return {window: mask_for(window) for window in dict.fromkeys(map(self.adapter.window, range(start, stop)))}
 
-    def _mask(self, positions, q_start: int, t: int, window, dtype, tree: Tree | None):
-        """The (B, 1, T, S) mask of T queries from slot q_start under one attention window, or None where the
-        attention implementation's own causal rule is the same."""
+    def _mask(self, live, positions, q_start: int, window, dtype, tree: Tree | None):
+        """The (B, 1, T, S) mask of the (B, T) queries from slot q_start over the live slots (B, S) under one
+        attention window, or None where the attention implementation's own causal rule is the same."""
         impl = self.adapter.attn_impl
-        if not needs_mask(self.slots.has_holes, t, q_start, window, impl, tree):
+        if not needs_mask(self.slots.has_holes, positions.shape[1], q_start, window, impl, tree):
             return None
-        return build_mask(self.slots.view(q_start + t), positions, q_start, window, dtype, impl, tree)
+        return build_mask(live, positions, q_start, window, dtype, impl, tree)
 
     def early(self, input_ids, positions, exit_layer: int, slot_positions=None, tree: Tree | None = None):
         """Embed (B, T) tokens and run layers [0, exit_layer): their (B, T, H) layer-E states."""
@@ -144,7 +145,7 @@ class Runner:
         (holes, padding, the sliding window of layer i, a tree) come from the same table."""
         adapter = self.adapter
         q_start, t = cache.layer_length(0), hidden.shape[1]
-        mask = self._mask(positions, q_start, t, adapter.window(i), hidden.dtype, tree)
+        mask = self._mask(self.slots.view(q_start + t), positions, q_start, adapter.window(i), hidden.dtype, tree)
         return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)
 
     # --- the compiled pass ---------------------------------------------------------------------------------------

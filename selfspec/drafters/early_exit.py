@@ -26,6 +26,11 @@ class EarlyExitDrafter(Drafter):
         self.tops = TopStates() if head.reads_top else None
         self.copies = CopyPaths(head.copy_max) if head.copy_max else None
 
+    @classmethod
+    def from_engine(cls, engine) -> "EarlyExitDrafter":
+        """The config's exit head with its confidence rule: the early_exit drafter, and the hybrid's head."""
+        return cls(engine.head_for(engine.config.exit_layer), ConfidenceRule.of(engine.config))
+
     @property
     def needs_prompt_hidden(self) -> bool:
         """A head with a KV cache of its own takes the prompt in first; a top-reading head its last final state."""

@@ -55,7 +55,7 @@ import torch
 
 from ..draft_length import lookup_budget
 from ..trees import merge_branches, pack_trees
-from .base import ConfidenceRule, Draft, Drafter, DraftView, PromptStates, VerifyStep, choose_draft
+from .base import Draft, Drafter, DraftView, PromptStates, VerifyStep, choose_draft
 from .early_exit import EarlyExitDrafter
 from .ngram import NgramDrafter, branch_draft, strong_only
 from .tree import grow_tree
@@ -300,6 +300,6 @@ def _mixed_q(tokens, head_q, vocab: int):
 def from_engine(engine) -> HybridChainDrafter:
     """The registry's factory for drafter="hybrid": the tree hybrid where the config drafts trees."""
     cfg = engine.config
-    early = EarlyExitDrafter(engine.head_for(cfg.exit_layer), ConfidenceRule.of(cfg))
+    early = EarlyExitDrafter.from_engine(engine)
     cls = HybridTreeDrafter if cfg.draft_tree_top_k > 1 else HybridChainDrafter
     return cls(early, NgramDrafter.of(cfg), HybridPolicy.of(cfg))

@@ -54,12 +54,9 @@ class DrafterEntry:
         return tuple(name for record in self.settings for name in record.FIELDS)
 
 
-def _early_exit(engine) -> EarlyExitDrafter:
-    return EarlyExitDrafter(engine.head_for(engine.config.exit_layer), ConfidenceRule.of(engine.config))
-
-
 DRAFTERS: dict[str, DrafterEntry] = {entry.name: entry for entry in (
-    DrafterEntry("early_exit", _early_exit, EarlyExitDrafter, (ConfidenceRule,), _HEAD_KNOBS, searchable=True),
+    DrafterEntry("early_exit", EarlyExitDrafter.from_engine, EarlyExitDrafter, (ConfidenceRule,), _HEAD_KNOBS,
+                 searchable=True),
     DrafterEntry("ngram", lambda engine: NgramDrafter.of(engine.config), NgramDrafter, (NgramSettings,),
                  frozenset({"max_draft_tokens", "ngram_max"}), searchable=True),
     DrafterEntry("hybrid", _hybrid_from_engine, HybridChainDrafter, (ConfidenceRule, NgramSettings, HybridPolicy),
