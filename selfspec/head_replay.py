@@ -34,8 +34,12 @@ def teacher_forced_copy_logits(head: ExitHead, states, adapter: ArchAdapter, tex
     """(N, V) full-vocabulary draft logits of a copy head at `rows` of one text (1, T) from HF's hidden states of
     it, each row a step's first draft, with the candidates looked up in the text up to the row, as the drafter
     does (`candidates`: teacher_forced_candidates' own, when the caller has them already)."""
-    prev = previous_top(states[-1])[:, rows] if head.reads_top else None
-    normed = head.normed(states[head.exit_layer][:, rows], adapter, prev)  # (1, N, H)
+    if head.stateful:  # a fused head: its first drafts from one pass over the text
+        normed = head.normed_out(head.teacher_forced_states(states[head.exit_layer], states[-1], adapter),
+                                 adapter)[:, rows]
+    else:
+        prev = previous_top(states[-1])[:, rows] if head.reads_top else None
+        normed = head.normed(states[head.exit_layer][:, rows], adapter, prev)  # (1, N, H)
     token, match = candidates or teacher_forced_candidates(head, text, rows)
     return draft_logits(head, adapter, normed, adapter.vocab_size, token[None].to(normed.device),
                         match[None].to(normed.device))[0]

@@ -8,7 +8,7 @@ import torch
 
 from .cache import SpecCache
 from .lookup import PAD, SuffixIndex
-from .heads import ExitHead
+from .heads import ExitHead, previous_top
 
 
 class TopStates:
@@ -31,20 +31,23 @@ class TopStates:
         top = verified.top  # (B, k + 1, H): the step's inputs (after a tree, its path)
         self.start(top.gather(1, n.to(top.device)[:, None, None].expand(-1, 1, top.shape[-1]))[:, 0])
 
-    def normed(self, head, adapter, hidden: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
+    def normed(self, head, adapter, hidden: torch.Tensor, parents: torch.Tensor | None, run=None) -> torch.Tensor:
         """(B, T, H) layer-E states of the step's next T verify inputs -> the head's (B, T, H) normed outputs,
         kept for the inputs after them. Each input reads its parent's output (`parents` (B, T) verify-input
         indices, from a tree's earlier levels), or with parents=None the one of the input before it, in order;
-        the step's first input (the pending token) reads the last verified state."""
+        the step's first input (the pending token) reads the last verified state. `run(hidden, prev, cols)` makes
+        the outputs of the inputs `cols` (a slice) from their states and what they read; by default the head's
+        `normed` (a fused head passes its cached layer's)."""
+        run = run or (lambda h, prev, cols: head.normed(h, adapter, prev))
         if parents is not None:
             done = torch.cat(self.step, dim=1)  # (B, inputs so far, H)
-            out = head.normed(hidden, adapter, done.gather(1, parents[..., None].expand(-1, -1, done.shape[-1])))
+            out = run(hidden, done.gather(1, parents[..., None].expand(-1, -1, done.shape[-1])), slice(None))
             self.step.append(out)
             return out
         outs = []
-        for t in range(hidden.shape[1]):  # each needs the one before: an MLP call per input
+        for t in range(hidden.shape[1]):  # each needs the one before: a head call per input
             prev = self.step[-1][:, -1:] if self.step else self.last[:, None]
-            self.step.append(head.normed(hidden[:, t : t + 1], adapter, prev))
+            self.step.append(run(hidden[:, t : t + 1], prev, slice(t, t + 1)))
             outs.append(self.step[-1])
         return torch.cat(outs, dim=1)
 
@@ -101,28 +104,52 @@ class HeadCache:
     """The KV cache of a stateful head during one generate call. Its slots mirror the shared cache: the prompt
     goes in after prefill, each drafted input as the drafter runs it, and after verification it is cut back like
     the shared cache and given the verified inputs it has not seen (for context="top": all of this step's
-    verified inputs again, as final-layer states in place of the layer-E states it drafted from)."""
+    verified inputs again, as final-layer states in place of the layer-E states it drafted from; for a fused
+    head: all of them again, fused with the verifier's final states in place of its own estimates)."""
 
     def __init__(self, head: ExitHead, view, prompt):
         self.head, self.cache = head, SpecCache(1)
         if prompt.exit_layer != head.exit_layer:
             raise ValueError(f"The prefill ran to layer {prompt.exit_layer}, but the head exits at "
                              f"layer {head.exit_layer}; set config.exit_layer to the head's layer.")
-        self.feed(view, prompt.top if head.context == "top" else prompt.early, prompt.positions)
+        if self.fuses:  # each prompt position fused with the final state before it (none before position 0)
+            prev = previous_top(prompt.top).masked_fill((prompt.positions == 0)[..., None], 0.0)
+            self.feed(view, self.head.fused(prompt.early, view.adapter, prev), prompt.positions)
+        else:
+            self.feed(view, prompt.top if head.context == "top" else prompt.early, prompt.positions)
+
+    @property
+    def fuses(self) -> bool:
+        """A fused head: its layer reads fused states (heads.FusedHead), which the cache is fed with."""
+        return self.head.reads_top
 
     def feed(self, view, hidden: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None = None):
         """Run the head's layer on (B, T, H) states entering the next T slots (`tree`: the step's ancestor matrix
         while it drafts a tree); returns its (B, T, H) output."""
         weight = next(self.head.layer.parameters())
-        return view.run_own_layer(self.head.layer, self.head.source_layer, self.cache,
-                                  hidden.to(weight.device, weight.dtype), positions.to(weight.device), tree)
+        hidden, positions = hidden.to(weight.device, weight.dtype), positions.to(weight.device)
+        if self.fuses:
+            return self.head.attend(hidden, view.adapter, positions, view.own_layer_mask(
+                self.head.source_layer, self.cache, positions, hidden.dtype, tree), self.cache)
+        return view.run_own_layer(self.head.layer, self.head.source_layer, self.cache, hidden, positions, tree)
 
-    def catch_up(self, view, step) -> None:
-        """After verification: cut back to the verified prefix and feed what `step` (a VerifyStep) verified."""
+    def draft(self, view, hidden: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor, tree=None):
+        """A fused head's drafting: (B, T, H) layer-E states of inputs and the states before them (the verifier's
+        or the head's estimates) into the cache -> the head's (B, T, H) normed outputs there."""
+        return self.head.normed_out(self.feed(view, self.head.fused(hidden, view.adapter, prev), positions, tree),
+                                    view.adapter)
+
+    def catch_up(self, view, step, last_top: torch.Tensor | None = None) -> None:
+        """After verification: cut back to the verified prefix and feed what `step` (a VerifyStep) verified
+        (`last_top` (B, H): a fused head's final state of the position before the step)."""
         verified_len = view.verified_len
-        if self.head.context == "top" or step.kept is not None:  # after a tree: its path, fed again in order
+        if self.fuses or self.head.context == "top" or step.kept is not None:  # after a tree: its path, in order
             self.cache.rollback(step.base)
-            source = step.top if self.head.context == "top" else step.early
+            if self.fuses:
+                prev = torch.cat([last_top[:, None].to(step.top.dtype), step.top[:, :-1]], dim=1)
+                source = self.head.fused(step.early, view.adapter, prev)
+            else:
+                source = step.top if self.head.context == "top" else step.early
         else:
             self.cache.rollback(verified_len)
             source = step.early

@@ -86,6 +86,20 @@ def _vocab_placeholder(spec: dict) -> torch.Tensor | None:
 CONTEXTS = ("early", "top")
 
 
+def copied_layer(adapter: ArchAdapter, exit_layer: int, source_layer: int | None, what: str):
+    """(a trainable copy of the model's decoder layer `source_layer` (default: the exit layer, which already reads
+    states of that depth), its index): the layer of a head with a cache of its own."""
+    source = exit_layer if source_layer is None else source_layer
+    if not 0 <= source < adapter.num_layers:
+        raise ValueError(f"source_layer {source} outside [0, {adapter.num_layers - 1}].")
+    layer = adapter.layers[source]
+    if any(not p.is_floating_point() or p.device.type == "meta" for p in layer.parameters()):
+        raise ValueError(
+            f"{what} copies decoder layer {source}, but its weights are quantized or offloaded. "
+            "Build and train heads on the unquantized model, then load them into the quantized one.")
+    return whole_copy(layer).requires_grad_(True), source
+
+
 @register_head
 class MLPHead(ExitHead):
     """Residual MLP adapter before the shared norm + LM head: h + down(silu(up(rmsnorm(h)))).
@@ -205,15 +219,8 @@ class AttentionHead(ExitHead):
                    context: str = "early", vocab_ids: torch.Tensor | None = None) -> "AttentionHead":
         """A head whose layer starts as a copy of the model's layer `source_layer` (default: layer E itself,
         which already reads layer-E states)."""
-        source = exit_layer if source_layer is None else source_layer
-        if not 0 <= source < adapter.num_layers:
-            raise ValueError(f"source_layer {source} outside [0, {adapter.num_layers - 1}].")
-        layer = adapter.layers[source]
-        if any(not p.is_floating_point() or p.device.type == "meta" for p in layer.parameters()):
-            raise ValueError(
-                f"An attention head copies decoder layer {source}, but its weights are quantized or offloaded. "
-                "Build and train heads on the unquantized model, then load them into the quantized one.")
-        return cls(exit_layer, whole_copy(layer).requires_grad_(True), source, context, vocab_ids)
+        layer, source = copied_layer(adapter, exit_layer, source_layer, "An attention head")
+        return cls(exit_layer, layer, source, context, vocab_ids)
 
     @classmethod
     def from_spec(cls, spec: dict, adapter: ArchAdapter) -> "AttentionHead":
@@ -246,8 +253,13 @@ class AttentionHead(ExitHead):
 
     def teacher_forced(self, early, top, adapter: ArchAdapter, lengths=None, round_len: int = 1,
                        offset: int = 0) -> torch.Tensor:
-        """Draft logits (B, T, V_draft) at every position of right-padded sequences, each seeing the context it
-        would see while drafting (training and the calibrator's acceptance profile).
+        """`teacher_forced_states`' (B, T, V_draft) draft logits."""
+        return self.logits(self.teacher_forced_states(early, top, adapter, lengths, round_len, offset), adapter)
+
+    def teacher_forced_states(self, early, top, adapter: ArchAdapter, lengths=None, round_len: int = 1,
+                              offset: int = 0) -> torch.Tensor:
+        """The layer's (B, T, H) outputs at every position of right-padded sequences, each seeing the context it
+        would see while drafting (training and the calibrator's acceptance profile; `logits` of them are drafts).
 
         early, top: (B, T, H) layer-E and final-normed states at positions 0..T-1; lengths (B,) valid lengths.
         For context="top", positions are drafted in rounds of `round_len` starting at `offset`: a query at j,
@@ -260,8 +272,8 @@ class AttentionHead(ExitHead):
         valid = j[None, :] < lengths[:, None]  # (B, T) real keys
         if self.context == "early":
             mask = (j[None, :] <= j[:, None])[None] & valid[:, None, :]  # (B, T, T) causal
-            return self.forward(early, adapter, j.expand(b, t), (mask | torch.eye(t, dtype=torch.bool,
-                                                                                    device=device))[:, None])
+            return self.attend(early, adapter, j.expand(b, t), (mask | torch.eye(t, dtype=torch.bool,
+                                                                                   device=device))[:, None])
         start = j - torch.remainder(j - offset, round_len)  # (T,) first position of each query's round
         sees_top = j[None, :] < start[:, None]  # (T, T): query j, key i
         sees_early = (j[None, :] >= start[:, None]) & (j[None, :] <= j[:, None])
@@ -272,8 +284,7 @@ class AttentionHead(ExitHead):
         mask[:, t:, t:] = sees_early[None] & valid[:, None, :]
         mask |= torch.eye(2 * t, dtype=torch.bool, device=device)
         positions = torch.cat([j, j]).expand(b, 2 * t)
-        out = self.attend(torch.cat([top, early], dim=1), adapter, positions, mask[:, None])
-        return self.logits(out[:, t:], adapter)
+        return self.attend(torch.cat([top, early], dim=1), adapter, positions, mask[:, None])[:, t:]
 
 
 def previous_top(top: torch.Tensor) -> torch.Tensor:
@@ -289,3 +300,175 @@ def frequent_token_ids(token_ids: torch.Tensor, size: int, always: list[int] | N
     top = top[counts[top] > 0]
     ids = torch.unique(torch.cat([top, torch.tensor(always or [], dtype=torch.long)]))
     return ids
+
+
+@register_head
+class FusedHead(ExitHead):
+    """EAGLE's draft model at the exit: a top-reading MLP head fuses each token's layer-E state with the final state
+    of the position before it, then one decoder layer of the head's own attends over the fused states of the text
+    so far, through a KV cache of its own (HeadCache) whose slots mirror the shared cache.
+
+    With `copy_max` > 0 it is also a copy head, as MLPHead is (its MLP holds the trust in the candidate).
+
+    Verified positions enter that cache fused with the verifier's final states; a draft enters fused with the
+    head's own estimate of the state before it (its normed output there), so each draft conditions on the drafts
+    before it in feature space, and after verification the accepted ones are fed again with the true states.
+    The layer's change enters the residual scaled by `mix` (H,), zero at first: a fused head built from a trained
+    MLP head (`from_mlp`) drafts exactly as that head does until training moves `mix`. Drafts are verified by the
+    full model, so the output stays exact whatever the head learned.
+    """
+
+    kind = "fused"
+    stateful = True
+    reads_top = True
+
+    def __init__(self, exit_layer: int, hidden_size: int, layer: nn.Module, source_layer: int,
+                 rank: int | None = None, vocab_ids: torch.Tensor | None = None, eps: float = 1e-6,
+                 copy_max: int = 0):
+        super().__init__(exit_layer, vocab_ids)
+        self.hidden_size, self.source_layer = hidden_size, source_layer
+        # the fusion, and with copy_max > 0 the trust in prompt lookup's candidate (MLPHead's); its vocab is unused
+        self.mlp = MLPHead(exit_layer, hidden_size, rank, None, eps, context="top", copy_max=copy_max)
+        self.rank, self.copy_max = self.mlp.rank, copy_max
+        self.layer = layer
+        for module in self.layer.modules():  # its KV goes to layer 0 of the head's own cache
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = 0
+        self.mix = nn.Parameter(torch.zeros(hidden_size))
+
+    @classmethod
+    def from_model(cls, adapter: ArchAdapter, exit_layer: int, source_layer: int | None = None,
+                   rank: int | None = None, vocab_ids: torch.Tensor | None = None, copy_max: int = 0) -> "FusedHead":
+        """A fused head whose layer starts as a copy of the model's layer `source_layer` (default: layer E itself,
+        which already reads states of this depth) and whose MLP starts as the plain exit."""
+        layer, source = copied_layer(adapter, exit_layer, source_layer, "A fused head")
+        param = next(layer.parameters())
+        head = cls(exit_layer, adapter.hidden_size, layer, source, rank, vocab_ids, copy_max=copy_max)
+        return head.to(param.device, param.dtype)
+
+    def with_copy(self, copy_max: int, vocab_ids: torch.Tensor | None = None) -> "FusedHead":
+        """This head (weights copied) that also scores prompt lookup's candidate, its trust at zero, over
+        `vocab_ids` when given (else its own draft vocabulary): what train.train_copy fits."""
+        weight = self.mix
+        new = type(self)(self.exit_layer, self.hidden_size, whole_copy(self.layer), self.source_layer, self.rank,
+                         self.vocab_ids if vocab_ids is None else vocab_ids, copy_max=copy_max)
+        new.load_state_dict({k: v for k, v in self.state_dict().items() if k != "vocab_ids" and ".copy_" not in k},
+                            strict=False)
+        return new.to(weight.device, weight.dtype)
+
+    @property
+    def copy_bias(self) -> nn.Parameter:
+        return self.mlp.copy_bias
+
+    @property
+    def copy_gate(self) -> nn.Linear:
+        return self.mlp.copy_gate
+
+    def copy_score(self, own, normed, match):
+        """MLPHead.copy_score: the candidate's logit from its own, its match length and the head's normed state."""
+        return self.mlp.copy_score(own, normed, match)
+
+    def copy_logit(self, normed, adapter: ArchAdapter, token, match):
+        return self.mlp.copy_logit(normed, adapter, token, match)
+
+    @classmethod
+    def from_mlp(cls, mlp: MLPHead, adapter: ArchAdapter, source_layer: int | None = None) -> "FusedHead":
+        """A fused head that starts as the trained top-reading MLP head `mlp` (same exit, width and draft
+        vocabulary; a copy head's trust in its candidate is not carried)."""
+        if not (isinstance(mlp, MLPHead) and mlp.reads_top):
+            raise ValueError(f"A fused head starts from an `mlp` head with context top; got "
+                             f"{getattr(mlp, 'kind', type(mlp).__name__)!r} with context "
+                             f"{getattr(mlp, 'context', None)!r}. Train one with --head mlp --context top.")
+        head = cls.from_model(adapter, mlp.exit_layer, source_layer, mlp.rank, mlp.vocab_ids)
+        weight = mlp.up.weight
+        head.mlp.load_state_dict({k: v for k, v in mlp.state_dict().items() if not k.startswith("copy_")
+                                  and k != "vocab_ids"}, strict=False)
+        return head.to(weight.device, weight.dtype)
+
+    @classmethod
+    def from_spec(cls, spec: dict, adapter: ArchAdapter) -> "FusedHead":
+        if spec["hidden_size"] != adapter.hidden_size:
+            raise ValueError(f"Fused head for hidden size {spec['hidden_size']}, model has {adapter.hidden_size}.")
+        return cls.from_model(adapter, spec["exit_layer"], spec["source_layer"], spec["rank"], _vocab_placeholder(spec),
+                              spec.get("copy_max", 0))
+
+    def spec(self) -> dict:
+        return {**super().spec(), "hidden_size": self.hidden_size, "rank": self.rank,
+                "source_layer": self.source_layer, **({"copy_max": self.copy_max} if self.copy_max else {})}
+
+    def fused(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) layer-E states and the final states before them -> the (B, T, H) inputs of the head's layer."""
+        return self.mlp.transform(hidden, adapter, prev_top)
+
+    def attend(self, fused: torch.Tensor, adapter: ArchAdapter, positions, mask=None, cache=None) -> torch.Tensor:
+        """The head's layer on (B, T, H) fused states at (B, T) positions, its change scaled by `mix`; with a
+        cache, appends to its layer 0."""
+        out = adapter.call_module(self.layer, self.source_layer, fused, mask, positions,
+                                  adapter.rotary(fused, positions), cache)
+        return fused + self.mix.to(fused.dtype) * (out - fused)
+
+    def normed(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
+        """Stateless: the (B, T, H) normed outputs of (B, T, H) states attending causally over these T positions
+        only, with no earlier context (what one draft computes, for the cost model's timing); the drafter runs the
+        head through its cache (head_state.HeadCache.draft)."""
+        if prev_top is None:
+            raise ValueError("A fused head reads the previous position's final state: pass prev_top.")
+        b, t = hidden.shape[:2]
+        positions = torch.arange(t, device=hidden.device).expand(b, t)
+        mask = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()[None, None].expand(b, 1, t, t)
+        return self.normed_out(self.attend(self.fused(hidden, adapter, prev_top), adapter, positions, mask), adapter)
+
+    def normed_out(self, out: torch.Tensor, adapter: ArchAdapter) -> torch.Tensor:
+        """The head's estimate of the final-normed state there: what the LM head scores and the next draft reads."""
+        return adapter.final_norm(out)
+
+    def logits(self, out: torch.Tensor, adapter: ArchAdapter) -> torch.Tensor:
+        return lm_logits(adapter, self.normed_out(out, adapter), self.vocab_ids)
+
+    def forward(self, hidden, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
+        """Stateless use: (B, T, H) layer-E states and the true final states before them -> (B, T, V_draft) logits
+        of every position's first draft (`normed`)."""
+        return lm_logits(adapter, self.normed(hidden, adapter, prev_top), self.vocab_ids)
+
+    def teacher_forced_states(self, early, top, adapter: ArchAdapter, lengths=None, round_len: int = 1,
+                              offset: int = 0) -> torch.Tensor:
+        """The head's (B, T, H) layer outputs at every position of right-padded sequences, each as the decode
+        loop makes it (training and evaluation; `logits` of them are the drafts).
+
+        early, top: (B, T, H) layer-E and final-normed states; lengths (B,) valid lengths. Positions are drafted
+        in rounds of `round_len` starting at `offset`: a round's first draft reads the true final state before it,
+        each later one the head's estimate; its query sees the verified positions fused with true states and the
+        round's earlier drafts fused as they were drafted. A round of R drafts takes R passes of the layer (the
+        first pass gives every round's first draft, pass m its m-th), as EAGLE-3's training-time test does: the
+        first is causal over the T positions, each later one runs over 2T (verified and drafted) keys."""
+        b, t = early.shape[:2]
+        device = early.device
+        lengths = torch.full((b,), t, device=device) if lengths is None else lengths.to(device)
+        j = torch.arange(t, device=device)
+        valid = j[None, :] < lengths[:, None]  # (B, T) real keys
+        true_fused = self.fused(early, adapter, previous_top(top))
+        if round_len == 1:
+            mask = ((j[None, :] <= j[:, None])[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool,
+                                                                                         device=device)
+            return self.attend(true_fused, adapter, j.expand(b, t), mask[:, None])
+        start = j - torch.remainder(j - offset, round_len)  # (T,) first position of each query's round
+        first = (j == start) | (j == 0)  # rounds' first drafts (and the text's first position) read true states
+        # keys: [verified (true) 0 .. T-1, drafted 0 .. T-1]; queries: the same layout, only the drafted half is used
+        mask = torch.zeros(b, 2 * t, 2 * t, dtype=torch.bool, device=device)
+        mask[:, t:, :t] = (j[None, :] < start[:, None])[None] & valid[:, None, :]
+        mask[:, t:, t:] = ((j[None, :] >= start[:, None]) & (j[None, :] <= j[:, None]))[None] & valid[:, None, :]
+        mask |= torch.eye(2 * t, dtype=torch.bool, device=device)
+        positions = torch.cat([j, j]).expand(b, 2 * t)
+        prev = previous_top(top)
+        # the first pass drafts every round's first token: its drafted keys are the true ones, so it is causal
+        out = self.teacher_forced_states(early, top, adapter, lengths)
+        for _ in range(1, round_len):  # pass m settles every round's m-th draft; later passes leave it as it is
+            drafted = self.fused(early, adapter, torch.where(first[None, :, None], prev,
+                                                             previous_top(self.normed_out(out, adapter))))
+            out = self.attend(torch.cat([true_fused, drafted], dim=1), adapter, positions, mask[:, None])[:, t:]
+        return out
+
+    def teacher_forced(self, early, top, adapter: ArchAdapter, lengths=None, round_len: int = 1,
+                       offset: int = 0) -> torch.Tensor:
+        """`teacher_forced_states`' (B, T, V_draft) draft logits."""
+        return self.logits(self.teacher_forced_states(early, top, adapter, lengths, round_len, offset), adapter)

@@ -143,10 +143,14 @@ class Runner:
         """One extra decoder-layer module (a head's copy of layer i) on (B, T, H) states at (B, T) positions. Its KV
         goes to layer 0 of its own `cache`, whose slots stay aligned with the shared slot table, so the masks
         (holes, padding, the sliding window of layer i, a tree) come from the same table."""
-        adapter = self.adapter
-        q_start, t = cache.layer_length(0), hidden.shape[1]
-        mask = self._mask(self.slots.view(q_start + t), positions, q_start, adapter.window(i), hidden.dtype, tree)
-        return adapter.call_module(layer, i, hidden, mask, positions, adapter.rotary(hidden, positions), cache)
+        mask = self.own_mask(i, cache, positions, hidden.dtype, tree)
+        return self.adapter.call_module(layer, i, hidden, mask, positions, self.adapter.rotary(hidden, positions),
+                                        cache)
+
+    def own_mask(self, i: int, cache: SpecCache, positions, dtype, tree: Tree | None = None):
+        """The mask `own_layer` gives a copy of layer i for (B, T) positions entering the next slots of `cache`."""
+        q_start, t = cache.layer_length(0), positions.shape[1]
+        return self._mask(self.slots.view(q_start + t), positions, q_start, self.adapter.window(i), dtype, tree)
 
     # --- the compiled pass ---------------------------------------------------------------------------------------
     def _compiles(self, start: int, stop: int, q_start: int, tokens: int) -> bool:

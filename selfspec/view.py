@@ -93,6 +93,10 @@ class DraftView:
         positions, its KV in the drafter's own `cache`, masked by the loop's slot table (Runner.own_layer)."""
         return self._state.runner.own_layer(layer, like, cache, hidden, positions, tree=self._tree(tree))
 
+    def own_layer_mask(self, like: int, cache, positions: torch.Tensor, dtype, tree: torch.Tensor | None = None):
+        """The mask `run_own_layer` uses, for a head that calls its layer itself (heads.FusedHead.attend)."""
+        return self._state.runner.own_mask(like, cache, positions, dtype, tree=self._tree(tree))
+
     def _tree(self, ancestors):
         """The runner's tree mask for a step's inputs whose (B, M, M) ancestors are given: they start at the
         verified prefix's end."""

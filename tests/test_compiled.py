@@ -81,6 +81,30 @@ def test_compiled_heads_draft_what_eager_heads_draft(tree):
     assert {"head", "rows"} <= seen, seen  # the head did run compiled
 
 
+def test_a_fused_head_drafts_beside_the_compiled_step():
+    """A fused head's own layer and cache run eager beside the compiled passes of the model's layers: the same drafts
+    as in eager decoding (equal drafted and accepted counts) and Hugging Face's tokens."""
+    from selfspec.heads import FusedHead
+
+    model = make_model("llama", dtype=torch.float32)
+    ids = prompt(seed=13, length=10)
+    plain = _plain(model, ids)
+    head = FusedHead.from_model(selfspec.arch.adapter_for(model), 2)
+    with torch.no_grad():
+        head.mix.fill_(1.0)  # its layer mixed in: drafts of its own
+    runs = {}
+    for compile_ in (False, True):
+        selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, compile=compile_)
+        model.selfspec.add_head(head)
+        try:
+            out = _plain(model, ids)
+            runs[compile_] = (out, model.selfspec.last_stats.drafted_tokens, model.selfspec.last_stats.accepted_tokens)
+        finally:
+            selfspec.unwrap(model)
+    assert torch.equal(runs[True][0], plain) and torch.equal(runs[False][0], plain)
+    assert runs[True][2] > 0 and runs[True][1:] == runs[False][1:]
+
+
 def test_a_head_whose_weights_changed_runs_eager():
     model = make_model("llama", dtype=torch.float32)
     head = _trained_like_head(model)

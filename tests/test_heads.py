@@ -7,13 +7,13 @@ import torch
 
 import selfspec
 from selfspec.drafters.early_exit import EarlyExitDrafter
-from selfspec.heads import AttentionHead, ExitHead, MLPHead, frequent_token_ids
+from selfspec.heads import AttentionHead, ExitHead, FusedHead, MLPHead, frequent_token_ids, previous_top
 from conftest import TEST_DEVICE, VOCAB, make_model, padded_batch, prompt
 
 GEN = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
 
 
-KINDS = ["norm", "mlp", "mlp-top", "mlp-copy", "mlp-top-copy", "attn", "attn-top"]
+KINDS = ["norm", "mlp", "mlp-top", "mlp-copy", "mlp-top-copy", "attn", "attn-top", "fused", "fused-copy"]
 
 
 def _heads(vocab_ids=None, seed=0, model=None):
@@ -38,6 +38,15 @@ def _heads(vocab_ids=None, seed=0, model=None):
             with torch.no_grad():  # perturbed: its drafts differ from the plain copy's
                 for p in heads[name].layer.parameters():
                     p.add_(0.05 * torch.randn_like(p))
+        heads["fused"] = FusedHead.from_mlp(top, adapter)  # the MLP-top head's drafts, then its layer's change
+        with torch.no_grad():
+            for p in heads["fused"].layer.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            heads["fused"].mix.fill_(0.5)
+        heads["fused-copy"] = heads["fused"].with_copy(3)
+        with torch.no_grad():  # trust in the candidate, not zero
+            heads["fused-copy"].copy_bias.copy_(torch.tensor([0.0, 1.0, 3.0, 6.0]))
+            torch.nn.init.normal_(heads["fused-copy"].copy_gate.weight, std=0.2)
     return heads
 
 
@@ -170,15 +179,26 @@ def test_unroll_is_refused_for_heads_that_do_not_read_their_estimate():
     assert load_config(["--head", "mlp", "--context", "top", "--unroll", "2"]).unroll == 2
 
 
-@pytest.mark.parametrize("tree", [{}, dict(draft_tree_top_k=2, draft_tree_size=6)], ids=["chain", "tree"])
-@pytest.mark.parametrize("context", ["early", "top"])
+@pytest.mark.parametrize("tree", [{}, dict(draft_tree_top_k=2, draft_tree_size=6),
+                                  dict(drafter="hybrid", hybrid_policy="lookup-then-head", hybrid_min_match=1)],
+                         ids=["chain", "tree", "hybrid"])
+@pytest.mark.parametrize("context", ["early", "top", "fused"])
 def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context, tree):
     """After decoding, the attention head's own KV for every verified slot equals the head layer run afresh over the
-    model's states of the final text (layer-E states, or final-normed ones for context="top"): drafting, rollback and
-    catch-up kept it exact, in a padded batch whose rows accept different numbers of drafts; with draft trees too,
-    whose rejected branches the head saw while drafting."""
+    model's states of the final text (layer-E states, final-normed ones for context="top", or for a fused head both,
+    fused): drafting, rollback and catch-up kept it exact, in a padded batch whose rows accept different numbers of
+    drafts; with draft trees too, whose rejected branches the head saw while drafting, and in the hybrid, whose
+    steps feed the head n-gram drafts several at a time."""
     model = make_model("llama", 4)
-    head = _heads(model=model)["attn" if context == "early" else "attn-top"]
+    head = _heads(model=model)[{"early": "attn", "top": "attn-top", "fused": "fused"}[context]]
+    if context == "fused":  # a milder one, whose drafts are accepted at times: layer 2's copy, perturbed, mixed in
+        head = FusedHead.from_model(selfspec.arch.adapter_for(model), 2)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in head.layer.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            head.mix.fill_(0.3)
+            torch.nn.init.normal_(head.mlp.top_in.weight, std=0.001)  # the previous state counts too
     seen = {}
     original = EarlyExitDrafter.accepted
 
@@ -202,8 +222,11 @@ def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context, tree):
         with torch.no_grad():
             states = model(text, output_hidden_states=True).hidden_states
             ref_cache = selfspec.cache.SpecCache(1)
-            source = states[2] if context == "early" else states[-1]
-            head.attend(source, selfspec.arch.adapter_for(model), torch.arange(text.shape[1])[None], None, ref_cache)
+            adapter = selfspec.arch.adapter_for(model)
+            source = {"early": states[2], "top": states[-1]}.get(context)
+            if context == "fused":
+                source = head.fused(states[2], adapter, previous_top(states[-1]))
+            head.attend(source, adapter, torch.arange(text.shape[1])[None], None, ref_cache)
         ref = ref_cache.layers[0].keys[0]  # (kv_heads, T, d)
         for s in range(keys.shape[2]):
             p = int(seen["slots"][b, s])
@@ -214,14 +237,19 @@ def test_attention_head_cache_matches_a_fresh_pass(monkeypatch, context, tree):
     assert checked > 40
 
 
-@pytest.mark.parametrize("context,round_len,offset", [("early", 1, 0), ("top", 1, 0), ("top", 3, 1)])
+@pytest.mark.parametrize("context,round_len,offset", [("early", 1, 0), ("top", 1, 0), ("top", 3, 1), ("fused", 1, 0),
+                                                      ("fused", 3, 1), ("fused", 4, 0)])
 def test_teacher_forced_logits_match_incremental_drafting(context, round_len, offset):
     """The one-pass training/calibration view of an attention head gives, at every position, the logits the head
-    gives when fed as in drafting: verified context first (final states for "top"), then the round's layer-E
-    states one at a time through its cache; padded rows ignore the padding."""
+    gives when fed as in drafting: verified context first (final states for "top", fused with the true final state
+    before each for "fused"), then the round's layer-E states one at a time through its cache (a fused head's each
+    fused with its own estimate of the state before, the round's first with the true one); padded rows ignore the
+    padding."""
     model = make_model("llama", 4)
     adapter = selfspec.arch.adapter_for(model)
-    head = _heads(model=model)["attn" if context == "early" else "attn-top"]
+    head = _heads(model=model)[{"early": "attn", "top": "attn-top", "fused": "fused"}[context]]
+    if context == "fused":
+        return _check_fused_rounds(head, adapter, round_len, offset)
     early, top = torch.randn(2, 9, 32, dtype=torch.float64), torch.randn(2, 9, 32, dtype=torch.float64)
     lengths = torch.tensor([9, 6])
     with torch.no_grad():
@@ -239,6 +267,44 @@ def test_teacher_forced_logits_match_incremental_drafting(context, round_len, of
                 torch.testing.assert_close(got[b, j], head.logits(out, adapter)[0, -1])
 
 
+def _check_fused_rounds(head, adapter, round_len, offset):
+    early, top = torch.randn(2, 9, 32, dtype=torch.float64), torch.randn(2, 9, 32, dtype=torch.float64)
+    lengths = torch.tensor([9, 6])
+    prev = previous_top(top)
+    with torch.no_grad():
+        got = head.teacher_forced(early, top, adapter, lengths, round_len, offset)
+        for b, n in enumerate(lengths.tolist()):
+            for j in range(n):
+                start = max(0, j - (j - offset) % round_len)
+                cache = selfspec.cache.SpecCache(1)
+                pos = torch.arange(j + 1)[None]
+                if start:
+                    head.attend(head.fused(early[b : b + 1, :start], adapter, prev[b : b + 1, :start]), adapter,
+                                pos[:, :start], None, cache)
+                before = prev[b : b + 1, start : start + 1]
+                for i in range(start, j + 1):
+                    out = head.attend(head.fused(early[b : b + 1, i : i + 1], adapter, before), adapter,
+                                      pos[:, i : i + 1], None, cache)
+                    before = head.normed_out(out, adapter)
+                torch.testing.assert_close(got[b, j], head.logits(out, adapter)[0, -1])
+
+
+def test_fused_head_starts_as_its_mlp_head():
+    """A fused head built from a trained MLP-top head drafts exactly as that head until its layer's change is mixed
+    in (`mix` at zero); with `mix` moved, its drafts change."""
+    model = make_model("llama", 4)
+    adapter = selfspec.arch.adapter_for(model)
+    mlp = _heads(frequent_token_ids(torch.randint(0, VOCAB, (400,)), 50, [2]))["mlp-top"]
+    fused = FusedHead.from_mlp(mlp, adapter)
+    early, top = torch.randn(2, 7, 32, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(early, adapter, previous_top(top)), mlp(early, adapter, previous_top(top)))
+        fused.mix.fill_(0.5)
+        assert not torch.allclose(fused(early, adapter, previous_top(top)), mlp(early, adapter, previous_top(top)))
+    with pytest.raises(ValueError, match="starts from an `mlp` head with context top"):
+        FusedHead.from_mlp(_heads()["mlp"], adapter)
+
+
 def test_draft_vocabulary_logits_follow_the_lm_head():
     """The rows of the LM head a draft vocabulary uses are cached between draft steps; an in-place change of the
     LM head's weight (a user's fine-tuning step) must not leave stale rows behind."""
@@ -252,7 +318,7 @@ def test_draft_vocabulary_logits_follow_the_lm_head():
             model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
 
 
-@pytest.mark.parametrize("context", ["early", "top"])
+@pytest.mark.parametrize("context", ["early", "top", "fused"])
 def test_attention_head_training_lowers_the_loss(context):
     """A few distillation steps of an attention head (whole sequences, draft rounds of length 3 for "top")."""
     from selfspec.training.train_heads import distill_terms
@@ -265,7 +331,8 @@ def test_attention_head_training_lowers_the_loss(context):
         out = model(torch.randint(3, VOCAB, (4, 20)), output_hidden_states=True)
     early, final = out.hidden_states[2], out.hidden_states[-1]
     top1 = out.logits.argmax(-1)
-    head = AttentionHead.from_model(adapter, 2, context=context)
+    head = FusedHead.from_model(adapter, 2) if context == "fused" else AttentionHead.from_model(adapter, 2,
+                                                                                               context=context)
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(40):

@@ -89,17 +89,29 @@ def test_negative_control_always_accept_fails(model_and_prompt, monkeypatch):
     assert min(pvalues[1:]) < ALPHA, pvalues  # the drafted positions are off
 
 
-def test_sampling_with_an_attention_head_matches_target_and_its_planted_bug_does_not(model_and_prompt, monkeypatch):
-    """A head with sequence context (its own cache over the final states of verified positions, context="top")
-    drafts from a distribution of its own; rejection sampling keeps the output the target's. Accepting every draft
-    (planted) puts the drafted positions off, which the same check sees."""
-    from selfspec.heads import AttentionHead
+@pytest.mark.parametrize("kind", ["attn-top", "fused"])
+def test_sampling_with_an_attention_head_matches_target_and_its_planted_bug_does_not(model_and_prompt, monkeypatch,
+                                                                                     kind):
+    """A head with sequence context (its own cache over the final states of verified positions, context="top"; or
+    a fused head's over layer-E states fused with the final state before each) drafts from a distribution of its
+    own; rejection sampling keeps the output the target's. Accepting every draft (planted) puts the drafted
+    positions off, which the same check sees."""
+    from selfspec.heads import AttentionHead, FusedHead
 
     model, prompt = model_and_prompt
 
+    def head(adapter):
+        if kind == "attn-top":
+            return AttentionHead.from_model(adapter, 1, context="top")
+        fused = FusedHead.from_model(adapter, 1)
+        with torch.no_grad():  # its layer's change mixed in, and the previous state read: a distribution of its own
+            fused.mix.fill_(1.0)
+            torch.nn.init.normal_(fused.mlp.top_in.weight, std=0.05)
+        return fused
+
     def sampled():
         selfspec.wrap(model, exit_layer=1, max_draft_tokens=2)
-        model.selfspec.add_head(AttentionHead.from_model(model.selfspec.adapter, 1, context="top"))
+        model.selfspec.add_head(head(model.selfspec.adapter))
         try:
             return _sampled_pvalues(model, prompt), model.selfspec.last_stats
         finally:

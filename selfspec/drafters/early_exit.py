@@ -59,8 +59,8 @@ class EarlyExitDrafter(Drafter):
             self.copies.begin(view)
 
     def accepted(self, view: DraftView, draft: Draft, n: torch.Tensor, verified: VerifyStep) -> None:
-        if self.head_cache is not None:
-            self.head_cache.catch_up(view, verified)
+        if self.head_cache is not None:  # before the tops move on: a fused head reads the state before the step
+            self.head_cache.catch_up(view, verified, None if self.tops is None else self.tops.last)
         if self.tops is not None:
             self.tops.accepted(verified, n)
         if self.copies is not None:
@@ -74,13 +74,17 @@ class EarlyExitDrafter(Drafter):
         stateful head takes all T inputs into its cache (`tree`: the step's ancestor matrix in a tree); a
         top-reading head reads each input's parent's state (`parents`, see TopStates.normed); a copy head the
         prompt-lookup candidate after each input (the (B, T) `inputs` tokens; without them it drafts as if none
-        matched)."""
-        if self.head_cache is not None:
+        matched). A fused head does both: its cached layer reads each input fused with its parent's state."""
+        if self.head_cache is not None and self.tops is None:
             out = self.head_cache.feed(view, hidden, positions, tree)
             sub = self.head.logits(out if every else out[:, -1:], view.adapter).float()
             scores = DraftLogits(sub, self.head.vocab_ids, view.vocab_size)
             return scores if every else scores.last()
-        if self.tops is not None:
+        if self.head_cache is not None:  # fused: TopStates orders the reads, the head's cache runs its layer
+            normed = self.tops.normed(self.head, view.adapter, hidden, parents, run=lambda h, prev, cols: (
+                self.head_cache.draft(view, h, prev, positions[:, cols], tree)))
+            normed = normed if every else normed[:, -1:]
+        elif self.tops is not None:
             normed = self.tops.normed(self.head, view.adapter, hidden, parents)
             normed = normed if every else normed[:, -1:]
         else:

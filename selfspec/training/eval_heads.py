@@ -117,7 +117,8 @@ def replay(head, adapter, states, answer: torch.Tensor, p: int, k: int, max_new:
     from selfspec.tools.replay import accepted_drafts, replay_greedy
 
     n = answer.numel()
-    rounds = TopRounds(head, adapter, states) if head.stateful and head.context == "top" else \
+    rounds = FusedRounds(head, adapter, states, text) if head.stateful and head.reads_top else \
+        TopRounds(head, adapter, states) if head.stateful and head.context == "top" else \
         TopChain(head, adapter, states, text) if head.reads_top else None
     hits = None if rounds else (first_drafts(head, adapter, states, p, n, text=text)[:, 0] == answer).tolist()
 
@@ -160,6 +161,41 @@ class TopRounds:
             self.have_top = r
         out = self._attend(self.early[:, r : r + room], r)
         return self.head.token_ids(self.head.logits(out, self.adapter)[0].argmax(-1))
+
+
+class FusedRounds(TopRounds):
+    """Drafts of a fused head (heads.FusedHead), round by round: its cache holds the verified positions fused with
+    the final states before them up to the round's first position r; the round's drafts enter one at a time, each
+    fused with the head's estimate of the state before it (the first with the true one)."""
+
+    def __init__(self, head, adapter, states, text=None):
+        super().__init__(head, adapter, states)
+        from selfspec.heads import previous_top
+        from selfspec.lookup import prefix_copy_candidates
+
+        self.prev = previous_top(self.top)
+        self.verified = head.fused(self.early, adapter, self.prev)  # (1, T, H) what verified positions enter as
+        if head.copy_max:  # (T,) candidate after each position of the text, and its match length
+            self.copy = [torch.tensor(c) for c in prefix_copy_candidates(text[0].tolist(), head.copy_max)]
+
+    def drafts(self, r: int, room: int) -> torch.Tensor:
+        from selfspec.draft_logits import draft_logits, lm_logits
+
+        self.cache.rollback(self.have_top)
+        if self.have_top < r:
+            self._attend(self.verified[:, self.have_top : r], self.have_top)
+            self.have_top = r
+        prev, ids = self.prev[:, r : r + 1], []
+        for i in range(r, r + room):
+            prev = self.head.normed_out(self._attend(self.head.fused(self.early[:, i : i + 1], self.adapter, prev),
+                                                     i), self.adapter)
+            if self.head.copy_max:
+                token, match = (c[i : i + 1][None] for c in self.copy)
+                ids.append(draft_logits(self.head, self.adapter, prev, self.adapter.vocab_size, token,
+                                        match)[0, -1].argmax(-1))
+            else:
+                ids.append(self.head.token_ids(lm_logits(self.adapter, prev, self.head.vocab_ids)[0, -1].argmax(-1)))
+        return torch.stack(ids) if ids else torch.zeros(0, dtype=torch.long)
 
 
 class TopChain:
