@@ -344,6 +344,52 @@ def test_collect_then_train_heads_then_generate(setup, head):
     assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
 
 
+def test_train_a_fused_head_from_trained_mlp_heads(setup):
+    """--head fused --init-heads: a fused head starts as the trained mlp top head it is given (same held-out
+    agreement before its layer is mixed in), trains on sampled rows of whole sequences with draft rounds, saves,
+    loads and generates what plain `generate` does. A directory without such heads is refused in one line. Then
+    train-copy fits its trust in prompt lookup's candidate, and the copy head generates the same."""
+    import selfspec
+    from selfspec.training import train_copy, train_heads
+
+    cache = run(setup, "fused", onpolicy_share=0.3)
+    mlp, fused = setup["root"] / "heads-mlp-for-fused", setup["root"] / "heads-fused"
+    common = ["--model", str(setup["model_dir"]), "--data-dir", str(cache), "--exit-layers", "1",
+              "--draft-vocab-size", "40", "--dtype", "float32", "--threads", "1"]
+    assert train_heads.main([*common, "--out-dir", str(mlp), "--head", "mlp", "--context", "top", "--steps", "6",
+                             "--batch-size", "64"]) == 0
+    argv = [*common, "--out-dir", str(fused), "--head", "fused", "--init-heads", str(mlp), "--steps", "6",
+            "--seq-batch", "2", "--loss-rows", "16", "--round-len-max", "3", "--eval-every", "100"]
+    assert train_heads.main(argv) == 0
+    model, tok = selfspec.load(str(fused), dtype=torch.float32)
+    head = model.selfspec.heads[1]
+    assert head.kind == "fused" and head.stateful and bool(head.mix.abs().sum() > 0)
+    started = selfspec.training.train_heads.init_heads(train_heads.load_config(argv), model.selfspec.adapter)[1]
+    assert torch.equal(started.vocab_ids, head.vocab_ids)  # the draft vocabulary it started with
+    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea and the sky."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out_spec = model.generate(ids, max_new_tokens=16, do_sample=False)
+    assert model.selfspec.last_stats.verify_steps > 0
+    selfspec.unwrap(model)
+    assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
+    with pytest.raises(SystemExit, match="has no mlp head with context top at exit layers"):
+        train_heads.main([*common, "--out-dir", str(setup["root"] / "x"), "--head", "fused", "--init-heads",
+                          str(fused), "--steps", "1"])
+    # train-copy makes it a copy head: its normed states come from its pass over each row's sequence
+    copied = setup["root"] / "heads-fused-copy"
+    assert train_copy.main(["--model", str(setup["model_dir"]), "--heads", str(fused), "--data-dir", str(cache),
+                            "--out-dir", str(copied), "--copy-max", "3", "--rows", "3000", "--steps", "40",
+                            "--holdout-fraction", "0.3", "--dtype", "float32", "--threads", "1"]) == 0
+    report = json.loads((copied / "train_copy.json").read_text())
+    assert report["train_loss_after"] < report["train_loss_before"], report
+    model, _ = selfspec.load(str(copied), dtype=torch.float32)
+    head = model.selfspec.heads[1]
+    assert head.kind == "fused" and head.copy_max == 3 and bool(head.copy_bias.abs().sum() > 0)
+    out_copy = model.generate(ids, max_new_tokens=16, do_sample=False)
+    selfspec.unwrap(model)
+    assert torch.equal(out_copy, out_spec)
+
+
 def test_train_copy_fits_the_trust_in_candidates(setup):
     """train.train_copy on heads trained from collected shards, its draft vocabulary cut to 24 tokens: the fit lowers
     its (convex) loss, the saved head is a copy head over those tokens (the most frequent of its own 40) that loads

@@ -94,7 +94,7 @@ def test_train_copy_refuses_heads_that_are_not_mlp():
 
     model = make_model("llama", 4)
     head = AttentionHead.from_model(selfspec.arch.adapter_for(model), 2)
-    with pytest.raises(SystemExit, match="train.train_copy extends MLP heads; the head at layer 2 is 'attn'"):
+    with pytest.raises(SystemExit, match="train.train_copy extends MLP and fused heads; the head at layer 2 is 'attn'"):
         copy_head_from(head, 3)
     with pytest.raises(SystemExit, match="--copy-max 0: must be in"):
         parse_args(["--copy-max", "0"])

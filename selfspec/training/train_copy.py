@@ -1,4 +1,5 @@
-"""Make a trained MLP exit head a copy head: fit how far it trusts prompt lookup's candidate. Reads top to bottom.
+"""Make a trained MLP or fused exit head a copy head: fit how far it trusts prompt lookup's candidate. Reads top to
+bottom.
 
     python -m train.train_copy --heads selfspec/assets/smollm2-135m --data-dir DIR --out-dir runs/copy
     selfspec train-copy --heads selfspec/assets/smollm2-135m --data-dir DIR --out-dir runs/copy
@@ -91,10 +92,12 @@ def parse_args(argv=None) -> CopyConfig:
 # the head: the trained MLP head with copy parameters added (zero: it starts as the head plus its candidate)
 def copy_head_from(head, copy_max: int, vocab_ids: torch.Tensor | None = None):
     """The head with copy parameters, over `vocab_ids` when given (else the head's own draft vocabulary)."""
-    from selfspec.heads import MLPHead
+    from selfspec.heads import FusedHead, MLPHead
 
+    if isinstance(head, FusedHead):
+        return head.with_copy(copy_max, vocab_ids).requires_grad_(False)
     if not isinstance(head, MLPHead):
-        raise SystemExit(f"train.train_copy extends MLP heads; the head at layer {head.exit_layer} is "
+        raise SystemExit(f"train.train_copy extends MLP and fused heads; the head at layer {head.exit_layer} is "
                          f"{head.kind!r}. Train one with python -m train.train_heads --head mlp first.")
     vocab_ids = head.vocab_ids if vocab_ids is None else vocab_ids
     new = MLPHead(head.exit_layer, head.hidden_size, head.rank, vocab_ids, context=head.context, copy_max=copy_max)
@@ -137,9 +140,11 @@ def shard_candidates(f, keep: torch.Tensor, copy_max: int) -> tuple[torch.Tensor
     return token, match
 
 
-def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool, vocab_size: int) -> dict:
+def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool, vocab_size: int, fused=None) -> dict:
     """{train, held}: dicts of (N, ...) tensors of sampled answer rows that have a candidate; counts: (V,) how often
-    each token is the full model's next token on all answer rows of the training sequences."""
+    each token is the full model's next token on all answer rows of the training sequences. `fused`: (head,
+    adapter) of a fused head, whose normed state at each row ("normed") comes from its pass over the row's
+    sequence up to it, as its first draft there sees it."""
     from safetensors import safe_open
 
     from .rows import held_out_sequences, previous_rows, shard_rows
@@ -163,7 +168,10 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool, vocab_size:
             held = torch.isin(seq[torch.searchsorted(keep.nonzero()[:, 0], rows)] + base, held_seqs)
             part = {"early": f.get_tensor(f"hidden.{exit_layer}")[rows], "target": top1[rows],
                     "token": token[rows], "match": match[rows], "held": held}
-            if prev_top:  # the final states are read only for a head that reads them
+            if fused is not None:
+                part["normed"] = sequence_normed(*fused, f.get_tensor(f"hidden.{exit_layer}"),
+                                                 f.get_tensor("hidden.final"), f.get_tensor("seq_offsets"), rows)
+            elif prev_top:  # the final states are read only for a head that reads them
                 part["prev"] = previous_rows(f.get_tensor("hidden.final"), f.get_tensor("seq_offsets"))[rows]
         parts.append(part)
     rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
@@ -173,6 +181,26 @@ def load_copy_rows(cfg: CopyConfig, exit_layer: int, prev_top: bool, vocab_size:
                          f"in {cfg.data_dir!r}: need both; collect more text or change --holdout-fraction.")
     return {"train": {k: v[~held] for k, v in rows.items()}, "held": {k: v[held] for k, v in rows.items()},
             "counts": counts}
+
+
+@torch.no_grad()
+def sequence_normed(head, adapter, early: torch.Tensor, final: torch.Tensor, offsets: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+    """(N, H) a fused head's normed states at a shard's `rows` (N,), each sequence that holds one run through the
+    head at once (teacher-forced first drafts); early and final are the shard's (R, H) states."""
+    dtype = head_dtype(head)
+    out = torch.empty(len(rows), early.shape[1], dtype=dtype)
+    seq = torch.searchsorted(offsets, rows, right=True) - 1  # (N,) each row's sequence
+    for s in torch.unique(seq).tolist():
+        lo, hi = int(offsets[s]), int(offsets[s + 1])
+        mine = (seq == s).nonzero()[:, 0]
+        states = head.teacher_forced_states(early[None, lo:hi].to(dtype), final[None, lo:hi].to(dtype), adapter)
+        out[mine] = head.normed_out(states, adapter)[0, rows[mine] - lo]
+    return out
+
+
+def head_dtype(head) -> torch.dtype:
+    return next(head.parameters()).dtype
 
 
 @torch.no_grad()
@@ -186,9 +214,12 @@ def frozen_scores(head, adapter, rows: dict, chunk: int = 4096) -> dict:
     out = {k: [] for k in ("normed", "own", "lse_rest", "max_rest", "rest_right", "is_copy", "target_logit", "ok")}
     for i in range(0, len(rows["target"]), chunk):
         s = slice(i, i + chunk)
-        dtype = head.norm.weight.dtype
-        prev = rows["prev"][s].to(dtype)[:, None] if "prev" in rows else None
-        normed = head.normed(rows["early"][s].to(dtype)[:, None], adapter, prev)[:, 0]  # (n, H)
+        dtype = head_dtype(head)
+        if "normed" in rows:  # a fused head's, from its pass over each row's sequence
+            normed = rows["normed"][s].to(dtype)
+        else:
+            prev = rows["prev"][s].to(dtype)[:, None] if "prev" in rows else None
+            normed = head.normed(rows["early"][s].to(dtype)[:, None], adapter, prev)[:, 0]  # (n, H)
         logits = lm_logits(adapter, normed[:, None], vocab)[:, 0].float()  # (n, V_d)
         token, target = rows["token"][s].long(), rows["target"][s].long()
         ids = torch.unique(token)  # each candidate's LM-head row, scored once
@@ -242,13 +273,14 @@ def main(argv=None) -> int:
     engine = model.selfspec
     exit_layer = cfg.exit_layer if cfg.exit_layer is not None else engine.config.exit_layer
     head = copy_head_from(engine.head_for(exit_layer), cfg.copy_max)
-    rows = load_copy_rows(cfg, exit_layer, head.reads_top, engine.adapter.vocab_size)
+    rows = load_copy_rows(cfg, exit_layer, head.reads_top, engine.adapter.vocab_size,
+                          (head, engine.adapter) if head.stateful else None)
     counts = rows.pop("counts")
     if cfg.draft_vocab_size:
         from selfspec.tools.measure import eos_ids_of
 
         vocab_ids = smaller_vocab(head.vocab_ids, counts, cfg.draft_vocab_size, eos_ids_of(model, tok))
-        head = copy_head_from(head, cfg.copy_max, vocab_ids.to(head.norm.weight.device))
+        head = copy_head_from(head, cfg.copy_max, vocab_ids.to(next(head.parameters()).device))
         print(f"draft vocabulary cut to {len(vocab_ids)} tokens: {float(counts[vocab_ids].sum() / counts.sum()):.1%}"
               f" of the training rows' next tokens")
     scores = {k: frozen_scores(head, engine.adapter, v) for k, v in rows.items()}

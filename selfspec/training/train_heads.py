@@ -34,12 +34,15 @@ class TrainConfig:
     data_dir: str = "data_cache/smollm2-135m"  # shards + manifest.json written by train.collect
     out_dir: str = "runs/smollm2-135m-heads"  # checkpoints and the final save_pretrained directory
     exit_layers: list = field(default_factory=lambda: [4, 6, 8, 12])  # one head each, all from one data pass
-    head: str = "mlp"  # "mlp": residual MLP adapter; "attn": a copied decoder layer with its own KV cache
+    head: str = "mlp"  # "mlp": residual MLP adapter; "attn": a copied decoder layer with its own KV cache;
+    #                  "fused": a top-reading MLP fusing each state with the one before, then such a layer (EAGLE's)
+    init_heads: str | None = None  # fused only: a directory of trained mlp top heads to start from (same exits)
     rank: int = 1152  # hidden width of the MLP adapter
     context: str = "early"  # "top": the head also reads final states (attn: of verified positions; mlp: of the one before)
     source_layer: int | None = None  # attn only: the layer copied to start from; None = the exit layer itself
-    seq_batch: int = 8  # attn only: whole sequences per step (it attends over them)
-    round_len_max: int = 5  # attn "top" only: draft rounds of 1..this many tokens are sampled while training
+    seq_batch: int = 8  # attn and fused: whole sequences per step (they attend over them)
+    loss_rows: int = 0  # attn and fused: answer rows per step the loss is taken on, drawn at random (0: all of them)
+    round_len_max: int = 5  # attn "top" and fused: draft rounds of 1..this many tokens are sampled while training
     unroll: int = 1  # mlp "top" only: consecutive positions per sample, each after the first reading the head's own
     #                 estimate of the state before, as drafts 2.. do in the loop (1 = the true state only)
     draft_vocab_size: int = 8192  # the head scores only this many most frequent tokens; 0 = full vocabulary
@@ -71,13 +74,20 @@ OPTION_HELP = {
     "data_dir": "directory with the shards and manifest.json written by train.collect",
     "out_dir": "where checkpoints and the final heads (save_pretrained) go",
     "exit_layers": "comma-separated exit layers, one head each, all trained from one data pass (e.g. 4,6,8,12)",
-    "head": "head design: mlp (residual MLP adapter) or attn (a copied decoder layer with its own KV cache)",
+    "head": "head design: mlp (residual MLP adapter), attn (a copied decoder layer with its own KV cache) or fused "
+            "(an mlp head reading the previous final state, then such a layer over what it fuses: EAGLE's draft "
+            "model; it always reads final states, whatever --context says)",
+    "init_heads": "fused only: a directory of trained mlp heads with context top (same exit layers) to start from; "
+                  "the fused head drafts as they do until training mixes its layer in",
     "rank": "hidden width of the MLP adapter",
     "context": "early, or top: the head also reads final states (attn: of verified positions as its context; mlp: "
                "of the position before, EAGLE's feature)",
     "source_layer": "attn only: the decoder layer copied to start from (default: the exit layer itself)",
-    "seq_batch": "attn only: whole sequences per step",
-    "round_len_max": "attn with context top only: draft rounds of 1..this many tokens are sampled in training",
+    "seq_batch": "attn and fused: whole sequences per step",
+    "loss_rows": "attn and fused: answer rows per step the loss is taken on, drawn at random (0: all); the LM head "
+                 "over every row costs more than the layer",
+    "round_len_max": "attn with context top, and fused: draft rounds of 1..this many tokens are sampled in training "
+                     "(a fused head runs its layer once per draft of a round, on its own estimates)",
     "unroll": "mlp with context top only: consecutive positions per sample, each after the first reading the head's "
               "own estimate of the state before (what drafts 2.. read in the loop); 1 = the true state only",
     "draft_vocab_size": "the head scores only this many most frequent tokens; 0 = the full vocabulary",
@@ -127,17 +137,21 @@ def load_config(argv) -> TrainConfig:
     if isinstance(cfg.source_layer, str):
         cfg.source_layer = None if cfg.source_layer.lower() in ("none", "null", "") else int(cfg.source_layer)
     for name in ("rank", "draft_vocab_size", "steps", "batch_size", "warmup", "eval_every", "checkpoint_every",
-                 "seed", "max_draft_tokens", "seq_batch", "round_len_max", "unroll"):
+                 "seed", "max_draft_tokens", "seq_batch", "round_len_max", "unroll", "loss_rows"):
         setattr(cfg, name, int(getattr(cfg, name)))
     for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction", "time_budget"):
         setattr(cfg, name, float(getattr(cfg, name)))
     if cfg.unroll < 1 or (cfg.unroll > 1 and not (cfg.head == "mlp" and cfg.context == "top")):
         raise SystemExit(f"--unroll {cfg.unroll}: must be >= 1, and above 1 only for --head mlp --context top "
                          "(the head that reads its own estimate of the previous state).")
+    if cfg.init_heads is not None and cfg.head != "fused":
+        raise SystemExit(f"--init-heads starts a fused head from trained mlp heads; it does not apply to --head "
+                         f"{cfg.head}.")
     return cfg
 
 
 # ----------------------------------------------------------------------------------------------------------------
+SEQUENCE_HEADS = ("attn", "fused")  # heads that attend over whole sequences (the others train on rows)
 PROBE_STEPS = 10  # steps timed before a time budget sets the total
 # a checkpoint at least this often as well, so that a stop loses minutes, not hours, where steps are slow
 CHECKPOINT_SECONDS = 60.0
@@ -273,16 +287,20 @@ def sampling_agreement(head, rows, key, adapter, temperature: float = 1.0, chunk
     return total / max(1, len(rows["teacher_top1"]))
 
 
-def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0):
-    """Head logits and teacher data at the answer rows of a batch of sequences: (N, V_d), (N, H), (N,)."""
+def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0, rows_at_most=0, g=None):
+    """Head logits and teacher data at the answer rows of a batch of sequences: (N, V_d), (N, H), (N,); with
+    `rows_at_most`, at that many of them drawn by `g` (the LM head is scored on those only)."""
     dtype = head_dtype(head, adapter)
     early, lengths = pad_batch(seqs, f"hidden.{head.exit_layer}", cfg.device, dtype)
     final, _ = pad_batch(seqs, "hidden.final", cfg.device, dtype)
     loss_rows, _ = pad_batch(seqs, "loss", cfg.device, None)
     top1, _ = pad_batch(seqs, "teacher_top1", cfg.device, None)
-    logits = head.teacher_forced(early, final, adapter, lengths, round_len, offset)
-    rows = loss_rows.bool()
-    return logits[rows], final[rows], top1[rows].long()
+    out = head.teacher_forced_states(early, final, adapter, lengths, round_len, offset)
+    rows = loss_rows.bool().nonzero()  # (N, 2) answer rows
+    if 0 < rows_at_most < len(rows):
+        rows = rows[torch.randperm(len(rows), generator=g)[:rows_at_most].to(rows.device)]
+    b, t = rows[:, 0], rows[:, 1]
+    return head.logits(out[b, t], adapter), final[b, t], top1[b, t].long()
 
 
 @torch.no_grad()
@@ -371,7 +389,7 @@ def main(argv=None) -> int:
     while step < cfg.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        loss = batch_loss(cfg, heads, adapter, (train_seqs if cfg.head == "attn" else train_rows), starts, g,
+        loss = batch_loss(cfg, heads, adapter, (train_seqs if cfg.head in SEQUENCE_HEADS else train_rows), starts, g,
                           vocab_ids, vocab_index, dtype)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -392,7 +410,7 @@ def main(argv=None) -> int:
 
     # the result: heads + config through save_pretrained (safetensors + JSON), bf16 keeps it small
     final_agree = {e: measure(e, h) for e, h in heads.items()}
-    sampled = {} if cfg.head == "attn" else {
+    sampled = {} if cfg.head in SEQUENCE_HEADS else {
         e: sampling_agreement(h, held_rows, f"hidden.{e}", adapter) for e, h in heads.items()}
     metadata = {"trained_with": asdict(cfg), "untrained_agreement": baseline, "agreement": final_agree,
                 "sampling_agreement": sampled, "history": history, "train_seconds": time.time() - t0,
@@ -445,6 +463,9 @@ def draft_vocabulary(cfg: TrainConfig, model, tok, train_rows, held_rows, checkp
         print(f"draft vocabulary {len(vocab_ids)} tokens covers {covered:.1%} of held-out teacher top-1")
         if checkpoint is not None:
             vocab_ids = checkpoint_vocab(checkpoint).to(cfg.device)
+    if cfg.init_heads and checkpoint is None:  # heads started from trained ones keep their draft vocabulary
+        vocab_ids = next(iter(init_heads(cfg, model.selfspec.adapter).values())).vocab_ids
+        vocab_ids = None if vocab_ids is None else vocab_ids.to(cfg.device)
     if vocab_ids is None:
         return None, torch.arange(vocab_size, device=cfg.device)
     vocab_index = torch.full((vocab_size,), -1, dtype=torch.long, device=cfg.device)
@@ -455,29 +476,52 @@ def draft_vocabulary(cfg: TrainConfig, model, tok, train_rows, held_rows, checkp
 def build_heads(cfg: TrainConfig, adapter, vocab_ids, dtype, held_rows):
     """({exit layer: new head}, measure(e, head) -> its held-out agreement, the training sequences of attention
     heads (None for MLP heads, which train on rows))."""
-    from selfspec.heads import AttentionHead, MLPHead
+    from selfspec.heads import AttentionHead, FusedHead, MLPHead
 
-    if cfg.head == "attn":  # a copy of the exit layer (or source_layer) with its own KV cache
-        heads = {e: AttentionHead.from_model(adapter, e, cfg.source_layer, cfg.context, vocab_ids).to(cfg.device, dtype)
-                 for e in cfg.exit_layers}
+    if cfg.head in SEQUENCE_HEADS:  # a copy of the exit layer (or source_layer) with its own KV cache
+        if cfg.head == "attn":
+            heads = {e: AttentionHead.from_model(adapter, e, cfg.source_layer, cfg.context, vocab_ids)
+                     for e in cfg.exit_layers}
+        elif cfg.init_heads:
+            heads = {e: FusedHead.from_mlp(h, adapter, cfg.source_layer) for e, h in init_heads(cfg, adapter).items()}
+        else:
+            heads = {e: FusedHead.from_model(adapter, e, cfg.source_layer, cfg.rank, vocab_ids) for e in cfg.exit_layers}
+        heads = {e: h.to(cfg.device, dtype) for e, h in heads.items()}
         train_seqs, held_seqs = load_sequences(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
         return heads, lambda e, h: attention_agreement(h, held_seqs, adapter, cfg), train_seqs
     if cfg.head == "mlp":
         heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids, context=cfg.context).to(cfg.device, dtype)
                  for e in cfg.exit_layers}
         return heads, lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter), None
-    raise ValueError(f"train.head must be 'mlp' or 'attn', got {cfg.head!r}.")
+    raise ValueError(f"train.head must be one of 'mlp', 'attn', 'fused', got {cfg.head!r}.")
+
+
+def init_heads(cfg: TrainConfig, adapter) -> dict:
+    """{exit layer: trained mlp head} from --init-heads, for every exit layer being trained, or one line saying what
+    the directory lacks."""
+    from selfspec.heads import MLPHead
+    from selfspec.io import load_heads
+
+    try:
+        found = {h.exit_layer: h for h in load_heads(cfg.init_heads, adapter)}
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"--init-heads {cfg.init_heads}: {err}") from None
+    missing = [e for e in cfg.exit_layers if not (isinstance(found.get(e), MLPHead) and found[e].reads_top)]
+    if missing:
+        raise SystemExit(f"--init-heads {cfg.init_heads} has no mlp head with context top at exit layers {missing}; "
+                         "train them with --head mlp --context top, or leave --init-heads out.")
+    return {e: found[e] for e in cfg.exit_layers}
 
 
 def batch_loss(cfg: TrainConfig, heads: dict, adapter, data, starts, g, vocab_ids, vocab_index, dtype):
     """One step's loss, summed over the heads: whole sequences for attention heads (a "top" head sees draft rounds of
     a random length and phase), else rows, or runs of consecutive rows (--unroll) drafted as the loop drafts them."""
-    if cfg.head == "attn":
+    if cfg.head in SEQUENCE_HEADS:
         batch = [data[i] for i in torch.randint(0, len(data), (cfg.seq_batch,), generator=g)]
         round_len = int(torch.randint(1, cfg.round_len_max + 1, (1,), generator=g))
         offset = int(torch.randint(0, round_len, (1,), generator=g))
-        return sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset), adapter, vocab_ids,
-                                 vocab_index, cfg.ce_weight) for h in heads.values())
+        return sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset, cfg.loss_rows, g), adapter,
+                                 vocab_ids, vocab_index, cfg.ce_weight) for h in heads.values())
     idx = starts[torch.randint(0, len(starts), (cfg.batch_size,), generator=g)]
     return sum(unrolled_loss(h, data, idx, f"hidden.{e}", adapter, vocab_ids, vocab_index, cfg.ce_weight,
                              cfg.device, dtype, cfg.unroll) for e, h in heads.items())
