@@ -583,6 +583,28 @@ def test_a_seed_outside_the_space_fails_before_any_trial(tmp_path, seed, message
     assert not (tmp_path / "out" / "study.db").exists()
 
 
+def test_a_seed_at_an_exit_the_heads_lack_is_left_out_where_exits_are_the_heads(tmp_path):
+    """A shipped space seeds the shipped heads' exit layer; heads trained at another layer (exit_layer: auto) are
+    calibrated without that seed, with a line saying so. A space that names its exit layers still refuses it."""
+    from selfspec.heads import ExitHead
+
+    model = make_model("llama", 6)
+    selfspec.wrap(model, exit_layer=3)
+    model.selfspec.add_head(ExitHead(3))
+    seed = {"drafter": "early_exit", "exit_layer": 1, "max_draft_tokens": 2}
+    spec = _spec(exit_layer="auto")
+    spec.search.enqueue, spec.search.enqueue_top = [seed], 1
+    lines = []
+    result = calibrate(model, _prompts(1), spec, output=str(tmp_path / "a"), trials=1, log=lines.append)
+    assert any("search.enqueue[0] (early_exit E=1 K=2) drafts at exit layer 1, where these heads have none" in line
+               for line in lines), lines
+    assert not [t for t in result.report["trials"] if t.get("enqueued_by") == "space_file"]
+    spec = _spec(exit_layer=[3])
+    spec.search.enqueue = [seed]
+    with pytest.raises(ValueError, match=r"search.enqueue\[0\] \(early_exit E=1 K=2\) lies outside the space"):
+        calibrate(model, _prompts(1), spec, output=str(tmp_path / "b"), trials=1, **QUIET)
+
+
 def test_unknown_space_names_the_shipped_ones():
     with pytest.raises(FileNotFoundError, match=r"smollm2-135m"):
         load_search_spec("no-such-space")

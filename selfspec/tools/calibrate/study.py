@@ -221,16 +221,29 @@ def enqueue_previous(study, base: SelfSpecConfig, space: SearchSpace, log, sampl
     enqueue_fresh(study, kept, "previous_calibration", "previous best(s)", log)
 
 
-def check_seeds(seeds: list, space: SearchSpace) -> None:
-    """search.enqueue, checked before anything runs. A setting outside the space is refused: the sampler could
-    never propose it or its neighbours, so its timing would be a point the search cannot move from."""
+def check_seeds(seeds: list, space: SearchSpace, exits_from_heads: bool = False, log=print) -> list:
+    """search.enqueue, checked before anything runs; returns the seeds to queue. A setting outside the space is
+    refused: the sampler could never propose it or its neighbours, so its timing would be a point the search cannot
+    move from. Where the space's exit layers are the heads' own (`exit_layer: auto`), a seed at an exit layer the
+    heads lack is left out with a line instead: a shipped space's seed names the shipped heads' layer, and heads
+    trained at other layers are still calibrated."""
+    kept = []
     for i, params in enumerate(seeds):
         if not isinstance(params, dict) or "drafter" not in params:
             raise ValueError(f"search.enqueue[{i}] must be a setting with a 'drafter' (as per_drafter writes one), "
                              f"got {params!r}.")
         if not in_space(params, space):
+            elsewhere = params.get("exit_layer") not in space.exit_layers and in_space(
+                {**params, "exit_layer": space.exit_layers[0]}, space)
+            if exits_from_heads and elsewhere:
+                log(f"calibrate: search.enqueue[{i}] ({describe(params)}) drafts at exit layer "
+                    f"{params['exit_layer']}, where these heads have none (they sit at {space.exit_layers}): "
+                    "not enqueued")
+                continue
             raise ValueError(f"search.enqueue[{i}] ({describe(params)}) lies outside the space; widen the space "
                              f"or change the setting.")
+        kept.append(params)
+    return kept
 
 
 class BalanceKinds:
@@ -423,7 +436,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     base = engine.config
     space = resolve_space(spec, engine.adapter.num_layers, list(engine.heads), DRAFTERS)
     _check_budget(trials, timeout, prompts)
-    check_seeds(spec.search.enqueue, space)
+    seeds = check_seeds(spec.search.enqueue, space, spec.space.exit_layer == "auto", log)
     if storage is None:
         if output is None:
             raise ValueError("calibrate needs a storage URL or an output directory for the study.")
@@ -440,7 +453,7 @@ def calibrate(model, prompts: list[torch.Tensor], spec: SearchSpec | None = None
     study = open_study(storage, study_name, identity, spec.search.seed, spec.search.startup_trials)
     session = _prepare_session(model, base, prompts, space, spec, log)
     _set_study_attrs(study, session, spec, space)
-    enqueue_fresh(study, spec.search.enqueue, "space_file", "setting(s) of the space file", log)  # first: yours
+    enqueue_fresh(study, seeds, "space_file", "setting(s) of the space file", log)  # first: yours
     enqueue_predicted(study, session.predictor, space, spec.search.enqueue_top, log)
     enqueue_previous(study, base, space, log, sampled=spec.measure.decoding != "greedy")
     if deadline is not None:  # a time budget: the search gets what setup left, less the re-timing's estimate
