@@ -372,9 +372,14 @@ def test_train_a_fused_head_from_trained_mlp_heads(setup):
     assert model.selfspec.last_stats.verify_steps > 0
     selfspec.unwrap(model)
     assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
-    with pytest.raises(SystemExit, match="has no mlp head with context top at exit layers"):
+    with pytest.raises(SystemExit, match=r"has no mlp head with context top \(nor a fused head\) at exit layers"):
         train_heads.main([*common, "--out-dir", str(setup["root"] / "x"), "--head", "fused", "--init-heads",
-                          str(fused), "--steps", "1"])
+                          str(fused), "--exit-layers", "2", "--steps", "1"])
+    # a fused head trains further from where it stopped
+    again = setup["root"] / "heads-fused-again"
+    assert train_heads.main([*argv[: argv.index("--out-dir")], "--out-dir", str(again), "--head", "fused",
+                             "--init-heads", str(fused), "--steps", "2", "--seq-batch", "2", "--loss-rows", "16"]) == 0
+    assert selfspec.load(str(again), dtype=torch.float32)[0].selfspec.heads[1].kind == "fused"
     # train-copy makes it a copy head: its normed states come from its pass over each row's sequence
     copied = setup["root"] / "heads-fused-copy"
     assert train_copy.main(["--model", str(setup["model_dir"]), "--heads", str(fused), "--data-dir", str(cache),

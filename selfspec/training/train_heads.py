@@ -36,7 +36,7 @@ class TrainConfig:
     exit_layers: list = field(default_factory=lambda: [4, 6, 8, 12])  # one head each, all from one data pass
     head: str = "mlp"  # "mlp": residual MLP adapter; "attn": a copied decoder layer with its own KV cache;
     #                  "fused": a top-reading MLP fusing each state with the one before, then such a layer (EAGLE's)
-    init_heads: str | None = None  # fused only: a directory of trained mlp top heads to start from (same exits)
+    init_heads: str | None = None  # fused only: trained mlp top or fused heads to start from (same exits)
     rank: int = 1152  # hidden width of the MLP adapter
     context: str = "early"  # "top": the head also reads final states (attn: of verified positions; mlp: of the one before)
     source_layer: int | None = None  # attn only: the layer copied to start from; None = the exit layer itself
@@ -77,8 +77,9 @@ OPTION_HELP = {
     "head": "head design: mlp (residual MLP adapter), attn (a copied decoder layer with its own KV cache) or fused "
             "(an mlp head reading the previous final state, then such a layer over what it fuses: EAGLE's draft "
             "model; it always reads final states, whatever --context says)",
-    "init_heads": "fused only: a directory of trained mlp heads with context top (same exit layers) to start from; "
-                  "the fused head drafts as they do until training mixes its layer in",
+    "init_heads": "fused only: a directory of trained heads at the same exit layers to start from: mlp heads with "
+                  "context top (the fused head drafts as they do until training mixes its layer in), or fused heads "
+                  "(trained further, e.g. on other data)",
     "rank": "hidden width of the MLP adapter",
     "context": "early, or top: the head also reads final states (attn: of verified positions as its context; mlp: "
                "of the position before, EAGLE's feature)",
@@ -483,7 +484,8 @@ def build_heads(cfg: TrainConfig, adapter, vocab_ids, dtype, held_rows):
             heads = {e: AttentionHead.from_model(adapter, e, cfg.source_layer, cfg.context, vocab_ids)
                      for e in cfg.exit_layers}
         elif cfg.init_heads:
-            heads = {e: FusedHead.from_mlp(h, adapter, cfg.source_layer) for e, h in init_heads(cfg, adapter).items()}
+            heads = {e: h if isinstance(h, FusedHead) else FusedHead.from_mlp(h, adapter, cfg.source_layer)
+                     for e, h in init_heads(cfg, adapter).items()}
         else:
             heads = {e: FusedHead.from_model(adapter, e, cfg.source_layer, cfg.rank, vocab_ids) for e in cfg.exit_layers}
         heads = {e: h.to(cfg.device, dtype) for e, h in heads.items()}
@@ -497,19 +499,20 @@ def build_heads(cfg: TrainConfig, adapter, vocab_ids, dtype, held_rows):
 
 
 def init_heads(cfg: TrainConfig, adapter) -> dict:
-    """{exit layer: trained mlp head} from --init-heads, for every exit layer being trained, or one line saying what
-    the directory lacks."""
-    from selfspec.heads import MLPHead
+    """{exit layer: trained mlp top or fused head} from --init-heads, for every exit layer being trained, or one line
+    saying what the directory lacks."""
+    from selfspec.heads import FusedHead, MLPHead
     from selfspec.io import load_heads
 
     try:
         found = {h.exit_layer: h for h in load_heads(cfg.init_heads, adapter)}
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"--init-heads {cfg.init_heads}: {err}") from None
-    missing = [e for e in cfg.exit_layers if not (isinstance(found.get(e), MLPHead) and found[e].reads_top)]
+    missing = [e for e in cfg.exit_layers if not (isinstance(found.get(e), FusedHead) or (
+        isinstance(found.get(e), MLPHead) and found[e].reads_top))]
     if missing:
-        raise SystemExit(f"--init-heads {cfg.init_heads} has no mlp head with context top at exit layers {missing}; "
-                         "train them with --head mlp --context top, or leave --init-heads out.")
+        raise SystemExit(f"--init-heads {cfg.init_heads} has no mlp head with context top (nor a fused head) at exit "
+                         f"layers {missing}; train them with --head mlp --context top, or leave --init-heads out.")
     return {e: found[e] for e in cfg.exit_layers}
 
 
