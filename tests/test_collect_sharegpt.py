@@ -345,10 +345,11 @@ def test_collect_then_train_heads_then_generate(setup, head):
 
 
 def test_train_a_fused_head_from_trained_mlp_heads(setup):
-    """--head fused --init-heads: a fused head starts as the trained mlp top head it is given (same held-out
-    agreement before its layer is mixed in), trains on sampled rows of whole sequences with draft rounds, saves,
-    loads and generates what plain `generate` does. A directory without such heads is refused in one line. Then
-    train-copy fits its trust in prompt lookup's candidate, and the copy head generates the same."""
+    """--head fused --init-heads: a fused head starts from the trained mlp top head it is given (its draft
+    vocabulary kept), trains on sampled rows of whole sequences with draft rounds and the feature loss, saves, loads
+    and generates what plain `generate` does. A directory without such heads is refused in one line, and a fused
+    head trains further. Then train-copy fits its trust in prompt lookup's candidate, and the copy head generates
+    the same."""
     import selfspec
     from selfspec.training import train_copy, train_heads
 
@@ -359,7 +360,8 @@ def test_train_a_fused_head_from_trained_mlp_heads(setup):
     assert train_heads.main([*common, "--out-dir", str(mlp), "--head", "mlp", "--context", "top", "--steps", "6",
                              "--batch-size", "64"]) == 0
     argv = [*common, "--out-dir", str(fused), "--head", "fused", "--init-heads", str(mlp), "--steps", "6",
-            "--seq-batch", "2", "--loss-rows", "16", "--round-len-max", "3", "--eval-every", "100"]
+            "--seq-batch", "2", "--loss-rows", "16", "--round-len-max", "3", "--feature-weight", "1.0",
+            "--eval-every", "100"]
     assert train_heads.main(argv) == 0
     model, tok = selfspec.load(str(fused), dtype=torch.float32)
     head = model.selfspec.heads[1]

@@ -171,6 +171,40 @@ def test_unrolled_loss_reads_the_heads_own_estimate():
     assert unroll_starts(torch.tensor([0, 0, 0, 1, 1, 2]), 3).tolist() == [0]
 
 
+def test_the_feature_loss_pulls_the_heads_estimate_to_the_final_state():
+    """--feature-weight: the same steps with the smooth-L1 term end with the head's normed states nearer the full
+    model's final states (what the next draft reads in their place) than without it."""
+    from selfspec.training.train_heads import unrolled_loss
+
+    model = make_model("llama", 4, agreeable=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # peaky teacher distributions
+    selfspec.wrap(model, exit_layer=2)
+    adapter = model.selfspec.adapter
+    with torch.no_grad():
+        out = model(torch.randint(3, VOCAB, (8, 24)), output_hidden_states=True)
+        final = model.model.norm(out.hidden_states[-1])
+    rows = {"hidden.2": out.hidden_states[2].reshape(-1, 32), "hidden.final": final.reshape(-1, 32),
+            "prev.final": torch.cat([torch.zeros_like(final[:, :1]), final[:, :-1]], 1).reshape(-1, 32),
+            "teacher_top1": out.logits.argmax(-1).reshape(-1)}
+    idx = torch.arange(len(rows["hidden.2"]))
+    distance = {}
+    for weight in (0.0, 10.0):
+        torch.manual_seed(0)
+        head = MLPHead(2, 32, 64, context="top").double()
+        opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+        for _ in range(40):
+            loss = unrolled_loss(head, rows, idx, "hidden.2", adapter, None, torch.arange(VOCAB), 0.3, TEST_DEVICE,
+                                 torch.float64, feature_weight=weight)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            normed = head.normed(rows["hidden.2"], adapter, rows["prev.final"])
+            distance[weight] = float(torch.nn.functional.smooth_l1_loss(normed, rows["hidden.final"]))
+    assert distance[10.0] < 0.8 * distance[0.0], distance
+
+
 def test_unroll_is_refused_for_heads_that_do_not_read_their_estimate():
     from selfspec.training.train_heads import load_config
 

@@ -52,6 +52,7 @@ class TrainConfig:
     warmup: int = 40  # linear warm-up steps
     weight_decay: float = 0.0
     ce_weight: float = 0.3  # weight of cross-entropy on the teacher's top-1 next to the KL term
+    feature_weight: float = 0.0  # weight of a smooth-L1 loss pulling the head's normed state to the final one (EAGLE's)
     holdout_fraction: float = 0.1  # sequences kept out of training to measure agreement
     eval_every: int = 200  # steps between held-out agreement measurements
     checkpoint_every: int = 200  # steps between resumable checkpoints (and at least every CHECKPOINT_SECONDS)
@@ -98,6 +99,8 @@ OPTION_HELP = {
     "warmup": "linear warm-up steps",
     "weight_decay": "AdamW weight decay",
     "ce_weight": "weight of cross-entropy on the teacher's top-1 next to the KL term",
+    "feature_weight": "weight of a smooth-L1 loss between the head's normed state and the full model's final state, "
+                      "which the next draft reads in its place (EAGLE's feature loss; 0: tokens only)",
     "holdout_fraction": "fraction of sequences kept out of training to measure agreement",
     "eval_every": "steps between held-out agreement measurements",
     "time_budget": "seconds for the whole run, loading and saving included: steps become what fits after a few "
@@ -140,7 +143,7 @@ def load_config(argv) -> TrainConfig:
     for name in ("rank", "draft_vocab_size", "steps", "batch_size", "warmup", "eval_every", "checkpoint_every",
                  "seed", "max_draft_tokens", "seq_batch", "round_len_max", "unroll", "loss_rows"):
         setattr(cfg, name, int(getattr(cfg, name)))
-    for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction", "time_budget"):
+    for name in ("lr", "weight_decay", "ce_weight", "holdout_fraction", "time_budget", "feature_weight"):
         setattr(cfg, name, float(getattr(cfg, name)))
     if cfg.unroll < 1 or (cfg.unroll > 1 and not (cfg.head == "mlp" and cfg.context == "top")):
         raise SystemExit(f"--unroll {cfg.unroll}: must be >= 1, and above 1 only for --head mlp --context top "
@@ -214,7 +217,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def unrolled_loss(head, rows, idx, key, adapter, vocab_ids, vocab_index, ce_weight, device, dtype, unroll=1):
+def unrolled_loss(head, rows, idx, key, adapter, vocab_ids, vocab_index, ce_weight, device, dtype, unroll=1,
+                  feature_weight=0.0):
     """A head's distillation loss on the rows `idx` (N,) of `rows` (layer-E states under `key`), each row the
     start of a run of `unroll` consecutive positions of one sequence (1: the rows alone). A top-reading head's
     first position reads the true previous final state, each later one the head's own normed output at the
@@ -229,7 +233,7 @@ def unrolled_loss(head, rows, idx, key, adapter, vocab_ids, vocab_index, ce_weig
         normed = head.normed(column(key, j), adapter, prev)  # (N, H)
         top1 = rows["teacher_top1"][idx + j].long().to(device)
         loss = loss + distill_terms(lm_logits(adapter, normed, head.vocab_ids), column("hidden.final", j), top1,
-                                    adapter, vocab_ids, vocab_index, ce_weight)
+                                    adapter, vocab_ids, vocab_index, ce_weight, normed, feature_weight)
         prev = normed
     return loss / unroll
 
@@ -243,15 +247,21 @@ def unroll_starts(seq: torch.Tensor, unroll: int) -> torch.Tensor:
     return ok.nonzero()[:, 0]
 
 
-def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_weight):
-    """The loss from the head's (N, V_d) logits; the teacher's from final-normed states (N, H)."""
+def distill_terms(head_logits, final, top1, adapter, vocab_ids, vocab_index, ce_weight, normed=None,
+                  feature_weight=0.0):
+    """The loss from the head's (N, V_d) logits; the teacher's from final-normed states (N, H). With
+    `feature_weight`, also the smooth-L1 distance of the head's (N, H) `normed` states from `final`: the estimate a
+    top-reading head's next draft reads in place of the final state."""
     with torch.no_grad():
         teacher = torch.log_softmax(adapter.logits(final, vocab_ids).float(), dim=-1)  # (N, V_d)
     student = torch.log_softmax(head_logits.float(), dim=-1)
     kl = torch.sum(teacher.exp() * (teacher - student), dim=-1).mean()
     target = vocab_index[top1]  # position of the teacher's top-1 in the draft vocabulary, -1 if absent
     ce = torch.nn.functional.nll_loss(student, target.clamp(min=0), reduction="none")[target >= 0].mean()
-    return kl + ce_weight * ce
+    loss = kl + ce_weight * ce
+    if feature_weight and normed is not None:
+        loss = loss + feature_weight * torch.nn.functional.smooth_l1_loss(normed.float(), final.float())
+    return loss
 
 
 def head_chunks(head, rows, key, adapter, chunk):
@@ -289,8 +299,9 @@ def sampling_agreement(head, rows, key, adapter, temperature: float = 1.0, chunk
 
 
 def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0, rows_at_most=0, g=None):
-    """Head logits and teacher data at the answer rows of a batch of sequences: (N, V_d), (N, H), (N,); with
-    `rows_at_most`, at that many of them drawn by `g` (the LM head is scored on those only)."""
+    """Head logits, teacher data and the head's normed states at the answer rows of a batch of sequences: (N, V_d),
+    (N, H), (N,), (N, H); with `rows_at_most`, at that many of them drawn by `g` (the LM head is scored on those
+    only)."""
     dtype = head_dtype(head, adapter)
     early, lengths = pad_batch(seqs, f"hidden.{head.exit_layer}", cfg.device, dtype)
     final, _ = pad_batch(seqs, "hidden.final", cfg.device, dtype)
@@ -301,14 +312,14 @@ def attention_step(head, seqs, adapter, cfg, round_len=1, offset=0, rows_at_most
     if 0 < rows_at_most < len(rows):
         rows = rows[torch.randperm(len(rows), generator=g)[:rows_at_most].to(rows.device)]
     b, t = rows[:, 0], rows[:, 1]
-    return head.logits(out[b, t], adapter), final[b, t], top1[b, t].long()
+    return head.logits(out[b, t], adapter), final[b, t], top1[b, t].long(), adapter.final_norm(out[b, t])
 
 
 @torch.no_grad()
 def attention_agreement(head, seqs, adapter, cfg, round_len=1) -> float:
     hits = total = 0
     for i in range(0, len(seqs), cfg.seq_batch):
-        logits, _, top1 = attention_step(head, seqs[i : i + cfg.seq_batch], adapter, cfg, round_len)
+        logits, _, top1, _ = attention_step(head, seqs[i : i + cfg.seq_batch], adapter, cfg, round_len)
         pred = logits.argmax(-1)
         ids = head.token_ids(pred)
         hits, total = hits + int((ids == top1).sum()), total + len(top1)
@@ -523,11 +534,19 @@ def batch_loss(cfg: TrainConfig, heads: dict, adapter, data, starts, g, vocab_id
         batch = [data[i] for i in torch.randint(0, len(data), (cfg.seq_batch,), generator=g)]
         round_len = int(torch.randint(1, cfg.round_len_max + 1, (1,), generator=g))
         offset = int(torch.randint(0, round_len, (1,), generator=g))
-        return sum(distill_terms(*attention_step(h, batch, adapter, cfg, round_len, offset, cfg.loss_rows, g), adapter,
-                                 vocab_ids, vocab_index, cfg.ce_weight) for h in heads.values())
+        return sum(sequence_loss(h, attention_step(h, batch, adapter, cfg, round_len, offset, cfg.loss_rows, g), adapter,
+                                vocab_ids, vocab_index, cfg) for h in heads.values())
     idx = starts[torch.randint(0, len(starts), (cfg.batch_size,), generator=g)]
     return sum(unrolled_loss(h, data, idx, f"hidden.{e}", adapter, vocab_ids, vocab_index, cfg.ce_weight,
-                             cfg.device, dtype, cfg.unroll) for e, h in heads.items())
+                             cfg.device, dtype, cfg.unroll, cfg.feature_weight) for e, h in heads.items())
+
+
+def sequence_loss(head, step, adapter, vocab_ids, vocab_index, cfg: TrainConfig):
+    """distill_terms of one attention_step; the feature term only for a fused head, whose next draft reads its
+    normed state (an attention head's drafts read layer-E states)."""
+    logits, final, top1, normed = step
+    weight = cfg.feature_weight if head.reads_top else 0.0
+    return distill_terms(logits, final, top1, adapter, vocab_ids, vocab_index, cfg.ce_weight, normed, weight)
 
 
 def save_heads(model, cfg: TrainConfig, heads: dict, agree: dict, sampled: dict, metadata: dict) -> None:
