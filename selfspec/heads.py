@@ -274,17 +274,25 @@ class AttentionHead(ExitHead):
             mask = (j[None, :] <= j[:, None])[None] & valid[:, None, :]  # (B, T, T) causal
             return self.attend(early, adapter, j.expand(b, t), (mask | torch.eye(t, dtype=torch.bool,
                                                                                    device=device))[:, None])
-        start = j - torch.remainder(j - offset, round_len)  # (T,) first position of each query's round
-        sees_top = j[None, :] < start[:, None]  # (T, T): query j, key i
-        sees_early = (j[None, :] >= start[:, None]) & (j[None, :] <= j[:, None])
-        # keys: [top_0 .. top_T-1, early_0 .. early_T-1]; queries: the same layout, only the early half is used
-        # (a top query sees only itself; its output is thrown away)
-        mask = torch.zeros(b, 2 * t, 2 * t, dtype=torch.bool, device=device)
-        mask[:, t:, :t] = sees_top[None] & valid[:, None, :]
-        mask[:, t:, t:] = sees_early[None] & valid[:, None, :]
-        mask |= torch.eye(2 * t, dtype=torch.bool, device=device)
-        positions = torch.cat([j, j]).expand(b, 2 * t)
-        return self.attend(torch.cat([top, early], dim=1), adapter, positions, mask[:, None])[:, t:]
+        # keys: [top_0 .. top_T-1, early_0 .. early_T-1]; only the early half's queries are used
+        _, mask, positions = round_mask(valid, round_len, offset)
+        return self.attend(torch.cat([top, early], dim=1), adapter, positions, mask)[:, t:]
+
+
+def round_mask(valid: torch.Tensor, round_len: int, offset: int):
+    """Draft rounds of `round_len` starting at `offset`, over right-padded sequences whose real keys `valid` (B, T)
+    marks: (start (T,), the first position of each query's round; mask (B, 1, 2T, 2T) over keys laid out as
+    [verified 0 .. T-1, drafted 0 .. T-1], where a drafted query j sees the verified keys before its round and the
+    drafted ones from its round's start to j (a verified query sees only itself; its output is thrown away);
+    positions (B, 2T))."""
+    b, t = valid.shape
+    j = torch.arange(t, device=valid.device)
+    start = j - torch.remainder(j - offset, round_len)
+    mask = torch.zeros(b, 2 * t, 2 * t, dtype=torch.bool, device=valid.device)
+    mask[:, t:, :t] = (j[None, :] < start[:, None])[None] & valid[:, None, :]
+    mask[:, t:, t:] = ((j[None, :] >= start[:, None]) & (j[None, :] <= j[:, None]))[None] & valid[:, None, :]
+    mask |= torch.eye(2 * t, dtype=torch.bool, device=valid.device)
+    return start, mask[:, None], torch.cat([j, j]).expand(b, 2 * t)
 
 
 def previous_top(top: torch.Tensor) -> torch.Tensor:
@@ -451,21 +459,16 @@ class FusedHead(ExitHead):
             mask = ((j[None, :] <= j[:, None])[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool,
                                                                                          device=device)
             return self.attend(true_fused, adapter, j.expand(b, t), mask[:, None])
-        start = j - torch.remainder(j - offset, round_len)  # (T,) first position of each query's round
+        # keys: [verified (true) 0 .. T-1, drafted 0 .. T-1]; only the drafted half's queries are used
+        start, mask, positions = round_mask(valid, round_len, offset)
         first = (j == start) | (j == 0)  # rounds' first drafts (and the text's first position) read true states
-        # keys: [verified (true) 0 .. T-1, drafted 0 .. T-1]; queries: the same layout, only the drafted half is used
-        mask = torch.zeros(b, 2 * t, 2 * t, dtype=torch.bool, device=device)
-        mask[:, t:, :t] = (j[None, :] < start[:, None])[None] & valid[:, None, :]
-        mask[:, t:, t:] = ((j[None, :] >= start[:, None]) & (j[None, :] <= j[:, None]))[None] & valid[:, None, :]
-        mask |= torch.eye(2 * t, dtype=torch.bool, device=device)
-        positions = torch.cat([j, j]).expand(b, 2 * t)
         prev = previous_top(top)
         # the first pass drafts every round's first token: its drafted keys are the true ones, so it is causal
         out = self.teacher_forced_states(early, top, adapter, lengths)
         for _ in range(1, round_len):  # pass m settles every round's m-th draft; later passes leave it as it is
             drafted = self.fused(early, adapter, torch.where(first[None, :, None], prev,
                                                              previous_top(self.normed_out(out, adapter))))
-            out = self.attend(torch.cat([true_fused, drafted], dim=1), adapter, positions, mask[:, None])[:, t:]
+            out = self.attend(torch.cat([true_fused, drafted], dim=1), adapter, positions, mask)[:, t:]
         return out
 
     def teacher_forced(self, early, top, adapter: ArchAdapter, lengths=None, round_len: int = 1,
