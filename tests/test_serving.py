@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 import selfspec
 from conftest import make_model
-from selfspec.heads import MLPHead
+from selfspec.heads import FusedHead, MLPHead
 from selfspec.serving.export import write_draft
 from selfspec.serving.vllm_draft import ARCHITECTURE
 from selfspec.serving.vllm_ngram import propose_rows
@@ -71,6 +71,33 @@ def test_the_exported_head_rebuilt_computes_what_the_trained_one_does(tmp_path):
     draft.load_state_dict({name.removeprefix("head."): t for name, t in tensors.items() if name.startswith("head.")})
     hidden, prev_top = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN)
     torch.testing.assert_close(draft.transform(hidden, None, prev_top), head.transform(hidden, None, prev_top))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_fused_head_exports_its_layer_and_mix_beside_its_fusion(tmp_path, family):
+    """A fused head's draft directory holds its MLP under the names an `mlp` head's export uses, its decoder layer
+    (HF names, which vLLM's mapper fuses) and `mix`; the config names it and gives its layer the per-layer settings
+    of the layer it was copied from."""
+    model, mlp = _wrapped(tmp_path, family)
+    head = FusedHead.from_mlp(mlp, model.selfspec.adapter, source_layer=3)
+    torch.nn.init.normal_(head.mix, std=0.1)
+    model.selfspec.add_head(head)
+    model.config.layer_types = ["full_attention"] * 3 + ["sliding_attention"]
+    write_draft(model, tmp_path / "draft", target=str(tmp_path / "target"))
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["selfspec_head"] == {**head.spec(), "draft_vocab_size": 8, "copy_max": 0}
+    assert config["layer_types"] == ["full_attention", "full_attention", "sliding_attention"]
+    tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    torch.testing.assert_close(tensors["head_mix"], head.mix, rtol=0, atol=0)
+    layer = {name.removeprefix("model.head_layer."): t for name, t in tensors.items()
+             if name.startswith("model.head_layer.")}
+    assert layer.keys() == head.layer.state_dict().keys()
+    for name, t in head.layer.state_dict().items():
+        torch.testing.assert_close(layer[name], t, rtol=0, atol=0)
+    draft = MLPHead(head.exit_layer, HIDDEN, head.rank, context="top")
+    draft.load_state_dict({name.removeprefix("head."): t for name, t in tensors.items() if name.startswith("head.")})
+    hidden, prev_top = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN)
+    torch.testing.assert_close(draft.transform(hidden, None, prev_top), head.fused(hidden, None, prev_top))
 
 
 def test_export_refuses_what_vllm_cannot_draft_with(tmp_path):
@@ -191,3 +218,41 @@ def test_prompt_lookup_draft_length_follows_each_requests_acceptance():
     table[0, 40] = 5
     drafted(41, [5])
     assert proposer.requests[0].budget == 6  # a failed draft changes nothing
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="SELFSPEC_VLLM_PYTHON names no vLLM environment (scripts/vllm_env.sh)")
+def test_vllm_drafts_with_a_fused_head_as_selfspecs_engine_does(tmp_path):
+    """A fused head exported to vLLM keeps vLLM's float32 greedy tokens, and a verify pass accepts as many of its
+    drafts there as in selfspec's own engine (a chain of the same fixed length, on the same prompts). Its layer
+    weighs half (`mix` 0.5), which moves acceptance by about 0.3 tokens a pass: a draft model that skipped or
+    mis-cached the layer would give the outputs but not the acceptance."""
+    from selfspec.pretrained import load
+    from selfspec.serving.vllm_bench import workload
+
+    model, _ = load("smollm2-135m", dtype="float32")
+    engine = model.selfspec
+    head = FusedHead.from_mlp(engine.heads[engine.config.exit_layer], engine.adapter)
+    with torch.no_grad():
+        head.mix.fill_(0.5)
+    engine.add_head(head)
+    engine.config.drafter, engine.config.copy_draft_tokens = "early_exit", 0
+    engine.config.max_draft_tokens, engine.config.draft_confidence_threshold = 4, 0.0  # vLLM drafts them all
+    write_draft(model, str(tmp_path / "draft"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [VLLM_PYTHON, "-m", "selfspec.serving.vllm_bench", "--draft", str(tmp_path / "draft"), "--dtype", "float32",
+         "--methods", "vllm", "selfspec-heads", "--limit", "1", "--categories", "qa", "rag",
+         "--max-new-tokens", "48", "--concurrency", "2", "--output", str(tmp_path / "bench")],
+        env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    row = results["methods"]["selfspec-heads"]["one"]
+    assert row["differs"] == 0 and row["near_tie"] == 0, results["verdicts"]
+    accepted = steps = 0
+    for p in workload(model.name_or_path, 1, ["qa", "rag"])[0]:
+        model.generate(torch.tensor([p["ids"]]), max_new_tokens=48, do_sample=False)
+        accepted += engine.last_stats.accepted_tokens
+        steps += engine.last_stats.verify_steps - 1  # the prefill drafts nothing
+    assert abs(row["mean_accepted"] - (1 + accepted / steps)) < 0.1, (row["mean_accepted"], 1 + accepted / steps)

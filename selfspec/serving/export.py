@@ -5,8 +5,9 @@
 
 The directory holds config.json (the target's config, cut to the exit layer, naming the architecture that
 selfspec's vLLM plugin registers) and model.safetensors: the target's first E layers and final norm, the head's
-weights, and the LM-head rows of its draft vocabulary (the embedding stays the target's; vLLM shares it).
-selfspec_vllm.json records where the target is and how to start vLLM, which `export_vllm` also returns.
+weights (a fused head's decoder layer and `mix` included), and the LM-head rows of its draft vocabulary (the
+embedding stays the target's; vLLM shares it). selfspec_vllm.json records where the target is and how to start
+vLLM, which `export_vllm` also returns.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def export_vllm(name_or_dir: str, output: str, heads: str | None = None, dtype: 
 def write_draft(model, output: str, target: str | None = None) -> VllmExport:
     """The vLLM draft directory of a wrapped model's head at its config's exit layer. `target`: the model
     directory vLLM will serve (default: the one the model was loaded from)."""
-    from ..heads import MLPHead
+    from ..heads import FusedHead, MLPHead
 
     engine = model.selfspec
     config, family = model.config, model.config.model_type
@@ -73,10 +74,10 @@ def write_draft(model, output: str, target: str | None = None) -> VllmExport:
                          f"{family!r}: serve it with selfspec's prompt lookup (custom_class, docs/serving.md).")
     exit_layer = engine.config.exit_layer
     head = engine.heads.get(exit_layer)
-    if not (isinstance(head, MLPHead) and head.reads_top):
-        raise ValueError(f"export-vllm exports a trained `mlp` head that reads the final state (context top); the "
-                         f"head at layer {exit_layer} is {head.spec() if head is not None else 'missing'}: "
-                         "train one with `selfspec prepare`.")
+    if not (isinstance(head, (MLPHead, FusedHead)) and head.reads_top):
+        raise ValueError(f"export-vllm exports a trained `mlp` head that reads the final state (context top) or a "
+                         f"`fused` head; the head at layer {exit_layer} is "
+                         f"{head.spec() if head is not None else 'missing'}: train one with `selfspec prepare`.")
     target = target or model.name_or_path
     if not target or not (Path(target) / "config.json").is_file():
         raise ValueError(f"The model vLLM is to serve must be a local model directory; {target!r} is not: save it "
@@ -86,9 +87,13 @@ def write_draft(model, output: str, target: str | None = None) -> VllmExport:
     kept = tuple(f"model.layers.{i}." for i in range(exit_layer))
     tensors = {name: tensor for name, tensor in model.state_dict().items()
                if name.startswith(kept) or name == "model.norm.weight"}
-    for name, tensor in head.state_dict().items():
+    mlp = head.mlp if isinstance(head, FusedHead) else head  # a fused head's fusion is an MLPHead
+    for name, tensor in mlp.state_dict().items():
         if name in _HEAD_WEIGHTS:
             tensors[f"head.{name}"] = tensor.to(model.dtype)
+    if isinstance(head, FusedHead):  # its layer runs as the family's vLLM decoder layer, with a KV cache of its own
+        tensors["head_mix"] = head.mix.to(model.dtype)
+        tensors.update({f"model.head_layer.{name}": t for name, t in head.layer.state_dict().items()})
     weight = model.get_output_embeddings().weight
     vocab_ids = head.vocab_ids if head.vocab_ids is not None else torch.arange(config.vocab_size)
     tensors["lm_rows"] = weight[vocab_ids.to(weight.device)]
@@ -97,8 +102,9 @@ def write_draft(model, output: str, target: str | None = None) -> VllmExport:
     draft = {**config.to_dict(), "architectures": [ARCHITECTURE], "num_hidden_layers": exit_layer,
              "tie_word_embeddings": False, "selfspec_exit_layer": exit_layer, "selfspec_family": family,
              "selfspec_head": {**head.spec(), "draft_vocab_size": int(vocab_ids.numel()), "copy_max": 0}}
-    if isinstance(draft.get("layer_types"), list):  # per-layer settings (Qwen2's attention kinds) follow the cut
-        draft["layer_types"] = draft["layer_types"][:exit_layer]
+    if isinstance(draft.get("layer_types"), list):  # per-layer settings (Qwen2's attention kinds) follow the cut,
+        kinds = draft["layer_types"]  # and a fused head's layer keeps those of the layer it was copied from
+        draft["layer_types"] = kinds[:exit_layer] + ([kinds[head.source_layer]] if isinstance(head, FusedHead) else [])
     (out / "config.json").write_text(json.dumps(draft, indent=2, default=str) + "\n")
     result = VllmExport(str(out.resolve()), str(Path(target).resolve()), exit_layer,
                         engine.config.max_draft_tokens)

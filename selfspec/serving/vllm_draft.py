@@ -10,8 +10,12 @@ later draft tokens it feeds back what the draft model returned. So the draft arc
     draft logits   = estimate @ lm_head[draft vocabulary].T, -inf elsewhere
 
 and it returns the estimate twice: for the logits, and as the next draft's "previous final state", as
-selfspec's own engine does. The embedding is the target's (shared by vLLM); the E layers, the final norm, the
-head and the draft vocabulary's LM-head rows come from the directory `selfspec export-vllm` writes.
+selfspec's own engine does. A `fused` head (EAGLE's draft model at the exit) adds its own decoder layer between
+the two: the MLP's output is the layer's input, the layer's change enters scaled by `mix`, and vLLM gives that
+layer a KV cache as it gives every draft layer one. The proposer's next pass runs the accepted tokens again with
+the target's final states and writes over the drafts' slots: the roll-back selfspec's HeadCache does. The
+embedding is the target's (shared by vLLM); the E layers, the final norm, the head and the draft vocabulary's
+LM-head rows come from the directory `selfspec export-vllm` writes.
 
 What differs from selfspec's engine: these E layers keep a KV cache of their own (vLLM gives every draft layer
 one), and vLLM's EAGLE convention stores the token after each position at that position, so the draft layers
@@ -43,7 +47,7 @@ def register() -> None:
 class _Inner(nn.Module):
     """Holds what vLLM's proposer looks for under `model.model`: the embedding it shares, the draft layers."""
 
-    def __init__(self, vllm_config, config, prefix: str, first_layer_id: int):
+    def __init__(self, vllm_config, config, prefix: str, first_layer_id: int, fused: bool):
         super().__init__()
         from vllm.model_executor.layers.layernorm import RMSNorm
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -54,6 +58,10 @@ class _Inner(nn.Module):
         self.layers = nn.ModuleList(
             _decoder_layer(vllm_config, config, f"{prefix}.layers.{first_layer_id + i}")
             for i in range(config.selfspec_exit_layer))
+        # a fused head's layer, named after the draft layers (per-layer settings: the export's layer_types)
+        self.head_layer = (_decoder_layer(vllm_config, config,
+                                          f"{prefix}.layers.{first_layer_id + config.selfspec_exit_layer}")
+                           if fused else None)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
@@ -94,12 +102,16 @@ class EagleSelfSpecForCausalLM(nn.Module):
         dtype = vllm_config.model_config.dtype
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         config.target_layer_count = target_layers  # vLLM's layers index per-layer settings relative to it
-        self.model = _Inner(vllm_config, config, f"{prefix}.model" if prefix else "model", target_layers)
+        head = config.selfspec_head  # its spec: an `mlp` head reading the previous final state, or a fused one
+        fused = head["kind"] == "fused"
+        self.model = _Inner(vllm_config, config, f"{prefix}.model" if prefix else "model", target_layers, fused)
         from ..heads import MLPHead
 
-        head = config.selfspec_head  # its spec: an `mlp` head reading the previous final state, no copy scoring
+        # the top-reading MLP (a fused head's fusion) is selfspec's own module; no copy scoring
         self.head = MLPHead(head["exit_layer"], config.hidden_size, head["rank"], context="top").to(dtype)
         self.head.requires_grad_(False)
+        self.head_mix = (nn.Parameter(torch.zeros(config.hidden_size, dtype=dtype), requires_grad=False)
+                         if fused else None)
         draft_vocab = head["draft_vocab_size"] or config.vocab_size
         self.register_buffer("vocab_ids", torch.zeros(draft_vocab, dtype=torch.long), persistent=False)
         self.lm_rows = nn.Parameter(torch.empty(draft_vocab, config.hidden_size, dtype=dtype), requires_grad=False)
@@ -116,7 +128,11 @@ class EagleSelfSpecForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual)
         layer_e = x if residual is None else x + residual  # the residual stream after layer E
-        estimate = self.model.norm(self.head.transform(layer_e, None, hidden_states))
+        out = self.head.transform(layer_e, None, hidden_states)
+        if self.model.head_layer is not None:  # FusedHead.attend: the layer's change, scaled by mix
+            x, residual = self.model.head_layer(positions, out, None)
+            out = out + self.head_mix * (x + residual - out)
+        estimate = self.model.norm(out)
         return estimate, estimate
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
