@@ -1,7 +1,7 @@
 """`selfspec calibrate`: find the fastest self-speculative setting for a model, its heads, a prompt set and this
 device, with an Optuna study whose trials are real timed generations.
 
-    selfspec calibrate --model smollm2-135m [--heads DIR] [--prompts FILE] [--trials N] [--timeout S]
+    selfspec calibrate --model smollm2-135m [--heads DIR [DIR ...]] [--prompts FILE] [--trials N] [--timeout S]
                        [--storage URL] [--output DIR] [--space smollm2-135m | FILE.yaml]
     python -m selfspec.calibrate ...   # the same
 
