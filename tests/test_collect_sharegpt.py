@@ -427,6 +427,20 @@ def test_train_copy_fits_the_trust_in_candidates(setup):
     out_spec = model.generate(ids, max_new_tokens=16, do_sample=False)
     selfspec.unwrap(model)
     assert torch.equal(out_spec, model.generate(ids, max_new_tokens=16, do_sample=False))
+    # --head mlp --init-heads: the copy head is the start of more training (at lr 0, its weights come back as
+    # they were, without the trust in lookups), and a head of another context is refused in one line
+    further = setup["root"] / "heads-further"
+    common = ["--model", str(setup["model_dir"]), "--data-dir", str(cache), "--exit-layers", "1", "--head", "mlp",
+              "--init-heads", str(out), "--steps", "2", "--batch-size", "64", "--dtype", "float32", "--threads", "1"]
+    assert train_heads.main([*common, "--context", "top", "--lr", "0", "--out-dir", str(further)]) == 0
+    again = selfspec.load(str(further), dtype=torch.float32)[0].selfspec.heads[1]
+    assert again.copy_max == 0 and again.rank == head.rank and torch.equal(again.vocab_ids, head.vocab_ids)
+    kept = {k: v for k, v in head.state_dict().items() if not k.startswith("copy_")}
+    assert kept.keys() == again.state_dict().keys()
+    for name, tensor in kept.items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0)
+    with pytest.raises(SystemExit, match="trains further only an mlp head with that context"):
+        train_heads.main([*common, "--context", "early", "--out-dir", str(setup["root"] / "y")])
 
 
 def test_smaller_vocab_keeps_the_most_frequent_and_the_stops():

@@ -36,7 +36,7 @@ class TrainConfig:
     exit_layers: list = field(default_factory=lambda: [4, 6, 8, 12])  # one head each, all from one data pass
     head: str = "mlp"  # "mlp": residual MLP adapter; "attn": a copied decoder layer with its own KV cache;
     #                  "fused": a top-reading MLP fusing each state with the one before, then such a layer (EAGLE's)
-    init_heads: str | None = None  # fused only: trained mlp top or fused heads to start from (same exits)
+    init_heads: str | None = None  # mlp and fused: trained heads to start from (same exits)
     rank: int = 1152  # hidden width of the MLP adapter
     context: str = "early"  # "top": the head also reads final states (attn: of verified positions; mlp: of the one before)
     source_layer: int | None = None  # attn only: the layer copied to start from; None = the exit layer itself
@@ -78,9 +78,10 @@ OPTION_HELP = {
     "head": "head design: mlp (residual MLP adapter), attn (a copied decoder layer with its own KV cache) or fused "
             "(an mlp head reading the previous final state, then such a layer over what it fuses: EAGLE's draft "
             "model; it always reads final states, whatever --context says)",
-    "init_heads": "fused only: a directory of trained heads at the same exit layers to start from: mlp heads with "
-                  "context top (the fused head drafts as they do until training mixes its layer in), or fused heads "
-                  "(trained further, e.g. on other data)",
+    "init_heads": "a directory of trained heads at the same exit layers to start from (for example on data of "
+                  "your own): for --head mlp, mlp heads of the same context (a copy head's trust in lookups is left "
+                  "out: run train-copy again); for --head fused, mlp heads with context top (the fused head drafts "
+                  "as they do until training mixes its layer in) or fused heads",
     "rank": "hidden width of the MLP adapter",
     "context": "early, or top: the head also reads final states (attn: of verified positions as its context; mlp: "
                "of the position before, EAGLE's feature)",
@@ -148,9 +149,8 @@ def load_config(argv) -> TrainConfig:
     if cfg.unroll < 1 or (cfg.unroll > 1 and not (cfg.head == "mlp" and cfg.context == "top")):
         raise SystemExit(f"--unroll {cfg.unroll}: must be >= 1, and above 1 only for --head mlp --context top "
                          "(the head that reads its own estimate of the previous state).")
-    if cfg.init_heads is not None and cfg.head != "fused":
-        raise SystemExit(f"--init-heads starts a fused head from trained mlp heads; it does not apply to --head "
-                         f"{cfg.head}.")
+    if cfg.init_heads is not None and cfg.head == "attn":
+        raise SystemExit("--init-heads starts mlp and fused heads from trained ones; it does not apply to --head attn.")
     return cfg
 
 
@@ -502,11 +502,28 @@ def build_heads(cfg: TrainConfig, adapter, vocab_ids, dtype, held_rows):
         heads = {e: h.to(cfg.device, dtype) for e, h in heads.items()}
         train_seqs, held_seqs = load_sequences(cfg.data_dir, cfg.exit_layers, cfg.holdout_fraction, cfg.seed)
         return heads, lambda e, h: attention_agreement(h, held_seqs, adapter, cfg), train_seqs
+    if cfg.head == "mlp" and cfg.init_heads:  # trained further: their rank, context and draft vocabulary
+        heads = {e: plain_mlp(h, cfg).to(cfg.device, dtype) for e, h in init_heads(cfg, adapter).items()}
+        return heads, lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter), None
     if cfg.head == "mlp":
         heads = {e: MLPHead(e, adapter.hidden_size, cfg.rank, vocab_ids, context=cfg.context).to(cfg.device, dtype)
                  for e in cfg.exit_layers}
         return heads, lambda e, h: agreement(h, held_rows, f"hidden.{e}", adapter), None
     raise ValueError(f"train.head must be one of 'mlp', 'attn', 'fused', got {cfg.head!r}.")
+
+
+def plain_mlp(head, cfg: TrainConfig):
+    """A trained mlp head as the start of more training: the same weights without a copy head's trust in prompt
+    lookup (train-copy fits that again), or one line where it is another kind or reads another context."""
+    from selfspec.heads import MLPHead
+
+    if not isinstance(head, MLPHead) or head.context != cfg.context:
+        raise SystemExit(f"--init-heads {cfg.init_heads}: the head at layer {head.exit_layer} is {head.kind!r} with "
+                         f"context {getattr(head, 'context', None)!r}; --head mlp --context {cfg.context} trains "
+                         f"further only an mlp head with that context.")
+    new = MLPHead(head.exit_layer, head.hidden_size, head.rank, head.vocab_ids, context=head.context)
+    new.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("copy_")})
+    return new
 
 
 def init_heads(cfg: TrainConfig, adapter) -> dict:
@@ -519,6 +536,12 @@ def init_heads(cfg: TrainConfig, adapter) -> dict:
         found = {h.exit_layer: h for h in load_heads(cfg.init_heads, adapter)}
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"--init-heads {cfg.init_heads}: {err}") from None
+    if cfg.head == "mlp":  # plain_mlp checks each head's kind and context
+        missing = [e for e in cfg.exit_layers if e not in found]
+        if missing:
+            raise SystemExit(f"--init-heads {cfg.init_heads} has no head at exit layers {missing}; train them first, "
+                             "or leave --init-heads out.")
+        return {e: found[e] for e in cfg.exit_layers}
     missing = [e for e in cfg.exit_layers if not (isinstance(found.get(e), FusedHead) or (
         isinstance(found.get(e), MLPHead) and found[e].reads_top))]
     if missing:
