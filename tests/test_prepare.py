@@ -102,6 +102,7 @@ def test_prepare_writes_heads_a_config_and_a_report(tmp_path, family, capsys):
     greedy_matches_plain(out, path)
 
 
+@pytest.mark.slow  # two trainings and two studies
 def test_prepare_with_both_head_kinds_keeps_the_faster(tmp_path):
     """--head both: the MLP heads, a fused head trained from them, each made a copy head (DIR/mlp, DIR/fused),
     calibrated side by side; DIR gets the faster one's heads and config, and the report names both results."""
