@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     spec = _load_spec(args)
     model, tokenizer = _load_model(args)
-    _attach(model, args.heads[0] if args.heads else None, args.compile)  # the budget's probe times plain generate
+    _attach(model, args.heads[0] if args.heads else None, args.compile)  # a bad directory stops before any timing
     questions = load_calibration_prompts(args.prompts, spec.measure.max_prompts)
     cut, deadline = "", None
     if args.time_budget:
