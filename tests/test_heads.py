@@ -2,6 +2,8 @@
 and greedy identity with every head design (random weights: verification keeps the output exact)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -482,3 +484,19 @@ def test_token_logits_score_as_the_lm_head_rows_do():
         token = torch.randint(0, adapter.vocab_size, (2, 3))
         want = lm_logits(adapter, normed, None).gather(-1, token[..., None])[..., 0]
         assert torch.allclose(token_logits(adapter, normed, token), want), family
+
+
+@pytest.mark.slow
+def test_eval_heads_judges_each_output_that_parts_from_plain(tmp_path, capsys):
+    """train.eval_heads on the shipped heads (bf16 where the CPU computes it): a measured output that parts from
+    plain `generate` gets the verdict of tools/verdict.py, and on these prompts each such place is a near-tie,
+    never a difference no rounding explains (the command's exit status says so)."""
+    from selfspec.training import eval_heads
+
+    code = eval_heads.main(["--only", "mlp", "--exits", "1", "--measure", "mlp:1", "--per-category", "1",
+                            "--max-new-tokens", "128", "--output", str(tmp_path)])
+    record = json.loads((tmp_path / "results.json").read_text())
+    run = next(r for r in record["measured"] if r["design"] == "mlp")
+    assert code == 0 and run["differs"] == 0, capsys.readouterr().out[-2000:]
+    parted = [line for line in capsys.readouterr().out.splitlines() if "parts from plain generate" in line]
+    assert len(parted) == run["near_ties"] and all("near-tie (gap" in line for line in parted)
