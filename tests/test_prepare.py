@@ -105,7 +105,8 @@ def test_prepare_writes_heads_a_config_and_a_report(tmp_path, family, capsys):
 @pytest.mark.slow  # two trainings and two studies
 def test_prepare_with_both_head_kinds_keeps_the_faster(tmp_path):
     """--head both: the MLP heads, a fused head trained from them, each made a copy head (DIR/mlp, DIR/fused),
-    calibrated side by side; DIR gets the faster one's heads and config, and the report names both results."""
+    calibrated side by side (`calibrate --heads DIR/mlp DIR/fused`, a study each in DIR/heads-N); DIR gets the
+    faster one's heads and config, and the report names both results."""
     path = model_dir(tmp_path, "llama")
     out = tmp_path / "out"
     assert prepare.main([str(path), "--output", str(out), "--data", str(write_chats(tmp_path / "chats.jsonl")),
@@ -120,7 +121,11 @@ def test_prepare_with_both_head_kinds_keeps_the_faster(tmp_path):
         assert {h["kind"] for h in saved["heads"]} == {kind} and all(h["copy_max"] > 0 for h in saved["heads"])
     compared = json.loads((out / "heads.json").read_text())
     assert [row["kinds"] for row in compared["compared"]] == [["mlp"], ["fused"]]
+    speedups = [row["speedup"] for row in compared["compared"]]
+    assert compared["fastest"] == speedups.index(max(speedups)) + 1  # each study re-timed against plain generate
     assert state["calibrate"]["fastest"] == compared["fastest"]
+    for n in (1, 2):
+        assert (out / f"heads-{n}" / "study.db").is_file()
     kept = ("mlp", "fused")[compared["fastest"] - 1]
     assert json.loads((out / "selfspec_config.json").read_text())["heads"] == kinds[kept]
     report = (out / "report.md").read_text()

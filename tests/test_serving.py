@@ -136,30 +136,61 @@ def test_prompt_lookup_proposer_follows_the_rule():
 VLLM_PYTHON = os.environ.get("SELFSPEC_VLLM_PYTHON")
 
 
+def _fused_from_shipped(directory) -> tuple:
+    """The shipped model with a fused head built from its shipped head, its layer weighing half (`mix` 0.5), set to
+    draft K=4 every step as vLLM does, and exported to `directory`: (model, engine)."""
+    from selfspec.pretrained import load
+
+    model, _ = load("smollm2-135m", dtype="float32")
+    engine = model.selfspec
+    head = FusedHead.from_mlp(engine.heads[engine.config.exit_layer], engine.adapter)
+    with torch.no_grad():
+        head.mix.fill_(0.5)
+    engine.add_head(head)
+    engine.config.drafter, engine.config.copy_draft_tokens = "early_exit", 0
+    engine.config.max_draft_tokens, engine.config.draft_confidence_threshold = 4, 0.0
+    write_draft(model, str(directory))
+    return model, engine
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON, reason="SELFSPEC_VLLM_PYTHON names no vLLM environment (scripts/vllm_env.sh)")
 def test_vllm_serves_selfspecs_drafters_with_its_own_outputs(tmp_path, smollm2):
-    """vLLM with the exported head (EAGLE) and with selfspec's lookup (custom_class) gives vLLM's own float32
-    greedy tokens on two eval prompts, at one request and two at once, and the head's drafts are accepted (a
-    broken draft model keeps the outputs, since vLLM's verifier decides, but not its acceptance)."""
+    """vLLM with selfspec's lookup (custom_class), the shipped head and a fused head (both EAGLE) gives vLLM's own
+    float32 greedy tokens on two eval prompts, at one request and two at once. The shipped head's drafts are
+    accepted (a broken draft model keeps the outputs, since vLLM's verifier decides, but not its acceptance), and a
+    verify pass accepts as many of the fused head's drafts as selfspec's own engine does on the same prompts (a
+    chain of the same length): its layer weighs half, which moves acceptance by about 0.3 tokens a pass, so a
+    draft model that skipped or mis-cached the layer would give the outputs but not the acceptance."""
+    from selfspec.serving.vllm_bench import workload
+
     subprocess.run([sys.executable, "-m", "selfspec.cli", "export-vllm", "--output", str(tmp_path / "draft")],
                    check=True, capture_output=True)
+    model, engine = _fused_from_shipped(tmp_path / "fused")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run(
-        [VLLM_PYTHON, "-m", "selfspec.serving.vllm_bench", "--draft", str(tmp_path / "draft"), "--dtype", "float32",
-         "--methods", "vllm", "selfspec-ngram", "selfspec-heads", "--ngram-tokens", "4", "--limit", "1",
-         "--categories", "qa", "rag",
+        [VLLM_PYTHON, "-m", "selfspec.serving.vllm_bench", "--draft", str(tmp_path / "draft"), str(tmp_path / "fused"),
+         "--dtype", "float32", "--enforce-eager", "--methods", "vllm", "selfspec-ngram", "selfspec-heads",
+         "--ngram-tokens", "4",
+         "--limit", "1", "--categories", "qa", "rag",
          "--max-new-tokens", "48", "--concurrency", "2", "--output", str(tmp_path / "bench")],
         env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "bench" / "results.json").read_text())
     assert results["best"] == {"selfspec-ngram": {"one": "selfspec-ngram-4", "many": "selfspec-ngram-4"}}
-    for name in ("selfspec-ngram-4", "selfspec-heads"):
+    for name in ("selfspec-ngram-4", "selfspec-heads", "selfspec-heads-2"):
         for mode in ("one", "many"):
             row = results["methods"][name][mode]
             assert row["differs"] == 0 and row["near_tie"] == 0, (name, mode, results["verdicts"])
     assert results["methods"]["selfspec-heads"]["one"]["mean_accepted"] > 1.1
+    accepted = steps = 0
+    for p in workload(model.name_or_path, 1, ["qa", "rag"])[0]:
+        model.generate(torch.tensor([p["ids"]]), max_new_tokens=48, do_sample=False)
+        accepted += engine.last_stats.accepted_tokens
+        steps += engine.last_stats.verify_steps - 1  # the prefill drafts nothing
+    fused = results["methods"]["selfspec-heads-2"]["one"]["mean_accepted"]
+    assert abs(fused - (1 + accepted / steps)) < 0.1, (fused, 1 + accepted / steps)
 
 
 def test_the_vllm_bench_runs_each_lookup_at_every_length_and_names_its_fastest():
@@ -172,6 +203,9 @@ def test_the_vllm_bench_runs_each_lookup_at_every_length_and_names_its_fastest()
     specs = method_specs({"directory": "d", "num_speculative_tokens": 3}, [2, 4, 8])
     assert specs["vllm-ngram-4"]["num_speculative_tokens"] == 4 and specs["vllm"] is None
     assert set(rows) <= set(specs)
+    two = [{"directory": "d", "num_speculative_tokens": 3}, {"directory": "f", "num_speculative_tokens": 4}]
+    assert expand(["vllm", "selfspec-heads"], [4], drafts=2) == ["vllm", "selfspec-heads", "selfspec-heads-2"]
+    assert method_specs(two, [4])["selfspec-heads-2"] == {"method": "eagle", "model": "f", "num_speculative_tokens": 4}
     speed = {"vllm": (10, 10), "vllm-ngram-2": (15, 30), "vllm-ngram-4": (18, 20), "vllm-ngram-8": (16, 12),
              "selfspec-heads": (20, 15)}
     table = {name: {mode: {"tokens_per_s": v, "speedup": v / speed["vllm"][i], "mean_accepted": None,
@@ -219,40 +253,3 @@ def test_prompt_lookup_draft_length_follows_each_requests_acceptance():
     drafted(41, [5])
     assert proposer.requests[0].budget == 6  # a failed draft changes nothing
 
-
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON, reason="SELFSPEC_VLLM_PYTHON names no vLLM environment (scripts/vllm_env.sh)")
-def test_vllm_drafts_with_a_fused_head_as_selfspecs_engine_does(tmp_path):
-    """A fused head exported to vLLM keeps vLLM's float32 greedy tokens, and a verify pass accepts as many of its
-    drafts there as in selfspec's own engine (a chain of the same fixed length, on the same prompts). Its layer
-    weighs half (`mix` 0.5), which moves acceptance by about 0.3 tokens a pass: a draft model that skipped or
-    mis-cached the layer would give the outputs but not the acceptance."""
-    from selfspec.pretrained import load
-    from selfspec.serving.vllm_bench import workload
-
-    model, _ = load("smollm2-135m", dtype="float32")
-    engine = model.selfspec
-    head = FusedHead.from_mlp(engine.heads[engine.config.exit_layer], engine.adapter)
-    with torch.no_grad():
-        head.mix.fill_(0.5)
-    engine.add_head(head)
-    engine.config.drafter, engine.config.copy_draft_tokens = "early_exit", 0
-    engine.config.max_draft_tokens, engine.config.draft_confidence_threshold = 4, 0.0  # vLLM drafts them all
-    write_draft(model, str(tmp_path / "draft"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [VLLM_PYTHON, "-m", "selfspec.serving.vllm_bench", "--draft", str(tmp_path / "draft"), "--dtype", "float32",
-         "--methods", "vllm", "selfspec-heads", "--limit", "1", "--categories", "qa", "rag",
-         "--max-new-tokens", "48", "--concurrency", "2", "--output", str(tmp_path / "bench")],
-        env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((tmp_path / "bench" / "results.json").read_text())
-    row = results["methods"]["selfspec-heads"]["one"]
-    assert row["differs"] == 0 and row["near_tie"] == 0, results["verdicts"]
-    accepted = steps = 0
-    for p in workload(model.name_or_path, 1, ["qa", "rag"])[0]:
-        model.generate(torch.tensor([p["ids"]]), max_new_tokens=48, do_sample=False)
-        accepted += engine.last_stats.accepted_tokens
-        steps += engine.last_stats.verify_steps - 1  # the prefill drafts nothing
-    assert abs(row["mean_accepted"] - (1 + accepted / steps)) < 0.1, (row["mean_accepted"], 1 + accepted / steps)

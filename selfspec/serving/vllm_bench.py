@@ -7,7 +7,8 @@ DIR is what `selfspec export-vllm` wrote (it names the target). Methods, each in
     vllm             no speculation: the reference every output is compared with
     vllm-ngram-N     vLLM's own prompt lookup (`method: ngram`, n-grams 1..3), drafting N tokens
     selfspec-ngram-N selfspec's prompt lookup as vLLM's `custom_class` proposer (vllm_ngram.py), drafting N tokens
-    selfspec-heads   the exported exit head as vLLM's EAGLE draft model (vllm_draft.py)
+    selfspec-heads   the exported exit head as vLLM's EAGLE draft model (vllm_draft.py); with several --draft
+                     directories (an mlp and a fused head, say) one row each: selfspec-heads, selfspec-heads-2, ...
 
 The lookups run at every length of `--ngram-tokens` (2, 4 and 8 by default), and the report names each lookup's
 fastest length per load: a drafter is compared with a lookup at its best, not at one setting.
@@ -36,8 +37,9 @@ TOP = 20  # log-probabilities vLLM returns per position for the verdict
 LOOKUPS = ("vllm-ngram", "selfspec-ngram")  # the methods measured at each --ngram-tokens length
 
 
-def method_specs(draft: dict, ngram_tokens=(2, 4, 8)) -> dict[str, dict | None]:
-    """Method name -> vLLM speculative_config (None: no speculation); a lookup gets one row per draft length."""
+def method_specs(draft: dict | list[dict], ngram_tokens=(2, 4, 8)) -> dict[str, dict | None]:
+    """Method name -> vLLM speculative_config (None: no speculation); a lookup gets one row per draft length, and
+    each exported head (selfspec_vllm.json of each --draft) one row: selfspec-heads, selfspec-heads-2, ..."""
     specs = {"vllm": None}
     for n in ngram_tokens:
         specs[f"vllm-ngram-{n}"] = {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 3,
@@ -45,14 +47,26 @@ def method_specs(draft: dict, ngram_tokens=(2, 4, 8)) -> dict[str, dict | None]:
     for n in ngram_tokens:
         specs[f"selfspec-ngram-{n}"] = {"method": "custom_class", "num_speculative_tokens": n,
                                         "model": "selfspec.serving.vllm_ngram.NgramProposer"}
-    specs["selfspec-heads"] = {"method": "eagle", "model": draft["directory"],
-                               "num_speculative_tokens": draft["num_speculative_tokens"]}
+    for i, one in enumerate([draft] if isinstance(draft, dict) else draft):
+        specs[heads_row(i)] = {"method": "eagle", "model": one["directory"],
+                               "num_speculative_tokens": one["num_speculative_tokens"]}
     return specs
 
 
-def expand(methods: list[str], ngram_tokens) -> list[str]:
-    """The rows of the chosen methods: each lookup at every draft length, the others as named."""
-    return [row for m in methods for row in ([f"{m}-{n}" for n in ngram_tokens] if m in LOOKUPS else [m])]
+def heads_row(i: int) -> str:
+    """The row of the i-th exported head: the first is selfspec-heads, as with one --draft."""
+    return "selfspec-heads" if i == 0 else f"selfspec-heads-{i + 1}"
+
+
+def expand(methods: list[str], ngram_tokens, drafts: int = 1) -> list[str]:
+    """The rows of the chosen methods: each lookup at every draft length, selfspec-heads once per draft, the others
+    as named."""
+    def rows(m):
+        if m in LOOKUPS:
+            return [f"{m}-{n}" for n in ngram_tokens]
+        return [heads_row(i) for i in range(drafts)] if m == "selfspec-heads" else [m]
+
+    return [row for m in methods for row in rows(m)]
 
 
 def best_lookups(table: dict) -> dict:
@@ -103,7 +117,7 @@ def run_method(args) -> dict:
     spec = json.loads(args.spec) if args.spec else None
     llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
               speculative_config=spec, max_num_seqs=max(args.concurrency, 1), enable_prefix_caching=False,
-              disable_log_stats=False)
+              disable_log_stats=False, enforce_eager=args.enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     llm.generate([{"prompt_token_ids": warmup}], params, use_tqdm=False)
     result = {}
@@ -135,7 +149,7 @@ def judge_divergences(args) -> list[dict]:
 
     cases = json.loads(Path(args.judge).read_text())
     llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
 
     def top(prompt: list[int], steps: int) -> list[dict[int, float]]:
         params = SamplingParams(temperature=0.0, max_tokens=steps, logprobs=TOP)
@@ -175,6 +189,8 @@ def _child(args, out: Path, **extra) -> dict:
                "--max-model-len", str(args.max_model_len), "--child-output", str(out)]
     if args.limit is not None:
         command += ["--limit", str(args.limit)]
+    if args.enforce_eager:
+        command.append("--enforce-eager")
     if args.categories:
         command += ["--categories", *args.categories]
     for key, value in extra.items():
@@ -188,13 +204,17 @@ def _child(args, out: Path, **extra) -> dict:
 
 
 def compare(args) -> dict:
-    draft = json.loads((Path(args.draft) / "selfspec_vllm.json").read_text())
-    args.target = args.target or draft["target"]
+    drafts = [json.loads((Path(d) / "selfspec_vllm.json").read_text()) for d in args.draft]
+    targets = {d["target"] for d in drafts}
+    if len(targets) > 1 and not args.target:
+        raise SystemExit(f"--draft directories name different targets ({', '.join(sorted(targets))}): export them "
+                         "for one model, or pass --target.")
+    args.target = args.target or drafts[0]["target"]
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = method_specs(draft, args.ngram_tokens)
+    specs = method_specs(drafts, args.ngram_tokens)
     runs = {}
-    for name in expand(args.methods, args.ngram_tokens):
+    for name in expand(args.methods, args.ngram_tokens, len(drafts)):
         print(f"{name} ...", flush=True)
         runs[name] = _child(args, out_dir / f"{name}.json", spec=json.dumps(specs[name]) if specs[name] else "")
     prompts, _ = workload(args.target, args.limit, args.categories)
@@ -227,7 +247,8 @@ def compare(args) -> dict:
     import vllm
 
     results = {"command": " ".join(["python -m selfspec.serving.vllm_bench"] + sys.argv[1:]),
-               "vllm": vllm.__version__, "target": args.target, "dtype": args.dtype, "prompts": len(prompts),
+               "vllm": vllm.__version__, "target": args.target, "drafts": [d["directory"] for d in drafts],
+               "dtype": args.dtype, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
                "threads": os.environ.get("OMP_NUM_THREADS"), "methods": table, "best": best_lookups(table),
                "verdicts": [{k: v for k, v in d.items() if k not in ("prompt", "want", "got")} for d in verdicts]}
@@ -260,9 +281,9 @@ def report(results: dict) -> str:
         words = [f"{'1 request' if mode == 'one' else f'{n} at once'}: {row} ({table[row][mode]['speedup']:.2f}x)"
                  for mode, row in rows.items()]
         line = f"- fastest {family}: " + ", ".join(words)
-        if "selfspec-heads" in table:
-            line += "; selfspec-heads against it: " + ", ".join(
-                f"{table['selfspec-heads'][mode]['tokens_per_s'] / table[row][mode]['tokens_per_s']:.2f}x"
+        for heads in [name for name in table if name.startswith("selfspec-heads")]:
+            line += f"; {heads} against it: " + ", ".join(
+                f"{table[heads][mode]['tokens_per_s'] / table[row][mode]['tokens_per_s']:.2f}x"
                 for mode, row in rows.items())
         lines.append(line)
     return "\n".join(lines)
@@ -270,7 +291,8 @@ def report(results: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m selfspec.serving.vllm_bench", description=__doc__.split("\n")[0])
-    p.add_argument("--draft", help="the directory `selfspec export-vllm` wrote")
+    p.add_argument("--draft", nargs="+", help="the directory `selfspec export-vllm` wrote; several (heads of one "
+                   "model) run side by side, as rows selfspec-heads, selfspec-heads-2, ...")
     p.add_argument("--target", help="the model vLLM serves (default: the one the draft directory names)")
     p.add_argument("--methods", nargs="+", default=["vllm", "vllm-ngram", "selfspec-ngram", "selfspec-heads"],
                    choices=["vllm", "vllm-ngram", "selfspec-ngram", "selfspec-heads"],
@@ -283,6 +305,8 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="requests at once in the second pass")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile: each engine starts in "
+                   "seconds instead of about a minute, for checks of outputs and acceptance, not for timings")
     p.add_argument("--output", default="vllm-bench", help="folder for results.json and each engine's log")
     p.add_argument("--report", metavar="RESULTS_JSON", help="print the table of a results.json and stop")
     p.add_argument("--spec", help=argparse.SUPPRESS)  # child: this engine's speculative_config (JSON)
