@@ -325,10 +325,9 @@ def stage_copy(run: Run, seconds: float | None) -> dict:
 
     cfg = run.cfg
     _, vocab = vocab_sizes(run.facts["vocab_size"])
-    entry = run.state["stages"].setdefault("copy", {})
+    # the MLP heads' results keep their plain keys (str(E)), the fused head's are "fused-E"
+    reports = run.state["stages"].setdefault("copy", {}).setdefault("agreement_with_candidate", {})
     for kind, source, final in copy_plan(run):
-        # the MLP heads' results keep their plain keys (str(E)), the fused head's are "fused-E"
-        reports = entry.setdefault("agreement_with_candidate", {})
         tag = "" if kind == "mlp" else "fused-"
         for e in cfg.exit_layers:
             target = run.out / f"copy-{tag}{e}"
