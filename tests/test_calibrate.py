@@ -360,6 +360,7 @@ def test_resume_adds_trials_to_the_same_study(tmp_path):
         calibrate(other, _prompts(2), spec, storage=storage, study_name="s", trials=1, **QUIET)
 
 
+@pytest.mark.slow  # a compiled trial compiles every shape of its setting
 def test_compiled_trials_go_to_a_study_of_their_own(tmp_path):
     """A compiled step's passes cost less than eager ones: its trials are another setup's. The default study name
     says so, and a study stored without the key (eager, as every one then was) refuses compiled trials."""

@@ -142,7 +142,8 @@ def test_short_memory_shares_graphs_and_says_so(monkeypatch):
         assert compiled.step_for(other, other.device).dynamic_tokens
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
+# one graph per pass shape (False, the default where memory allows) compiles three times the graphs: slow
+@pytest.mark.parametrize("dynamic", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_each_shape_compiles_once(dynamic):
     """Drafts of every length (the n-gram drafter's run from 0 to K, the head's stop early at its threshold), trees,
     a copy head reading the final state, transformers' output-capturing hooks on the layers, and a cache that grows
@@ -200,6 +201,7 @@ def test_padding_rows_see_their_own_slot_and_no_row_sees_past_the_real_ones():
     assert mask[0, 0, 3].nonzero().flatten().tolist() == [7]
 
 
+@pytest.mark.slow  # every tree and batch shape compiled; the fast twin is bench's warm-up test over a chain
 def test_after_the_warm_up_no_call_compiles():
     """warmup() compiles every pass shape the config makes (layer ranges at each pass size up to a tree's, the LM
     head, the exit head and its rows), for the batch sizes asked: the calls after it, of any prompt length, single

@@ -81,7 +81,9 @@ def _no_errors(reports, check):
 # ----------------------------------------------------------------------------------------------------------------
 # tiny random models, 2 ranks: one torchrun job per family runs every check; the tests read its reports
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# one torchrun job a family; llama's in the fast subset, qwen3's (the same checks, its own layers) with the slow
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f != "llama" else [])
+                                        for f in FAMILIES])
 def tiny_job(request, tmp_path_factory):
     """Save a tiny model and heads for it from this (single) process, with the heads' logits on fixed states,
     then run the checks on 2 ranks."""
