@@ -166,7 +166,10 @@ def test_role_mapping():
                     {"role": "assistant", "content": words(5, 5)},
                     {"role": "user", "content": words(6, 3)},
                     {"role": "assistant", "content": words(7, 4)}]
-    assert sharegpt.sharegpt_messages({"conversations": [{"from": "human", "value": "Anyone?"}]}) == []
+    # a question without an answer stays a prompt (for the model to answer); a conversation with no question goes
+    assert sharegpt.sharegpt_messages({"conversations": [{"from": "human", "value": "Anyone?"}]}) == \
+        [{"role": "user", "content": "Anyone?"}]
+    assert sharegpt.sharegpt_messages({"conversations": [{"from": "gpt", "value": "Hello."}]}) == []
 
 
 def test_normalise_and_spec_bench_turns():
@@ -226,7 +229,9 @@ def test_assistant_only_rows_and_decontamination(setup, capsys):
     assert seen["cut-answer"] == [1]  # the second answer starts beyond max_len
     for gone in ("planted-eval", "planted-turn2", "long-first-prompt", "no-answer"):
         assert gone not in seen
-    assert sum(s["n_skipped_long"] for s in manifest["shards"]) == 1
+    assert sum(s["n_skipped_long"] for s in manifest["shards"] if s["file"].startswith("tf-")) == 1
+    # the question without an answer is the model's to answer, at onpolicy_share 0 too
+    assert [by_index[int(q)]["id"] for t in shards(cache, "op-").values() for q in t["seq_qid"]] == ["no-answer"]
     assert sum(len(v) for v in seen.values()) == manifest["totals"]["teacher_forced"]["n_seqs"]
 
 
@@ -288,7 +293,7 @@ def test_resume_skips_finished_shards(setup, monkeypatch):
 
 def test_target_tokens_stops_early_and_extends(setup):
     cache = run(setup, "target", target_tokens=30)
-    assert sorted(p.name for p in cache.glob("*.safetensors")) == ["tf-00000.safetensors"]
+    assert sorted(p.name for p in cache.glob("tf-*.safetensors")) == ["tf-00000.safetensors"]
     run(setup, "target", target_tokens=10 ** 9)
     assert len(list(cache.glob("tf-*.safetensors"))) > 1
 
@@ -299,7 +304,7 @@ def test_onpolicy_and_the_trainer_loaders(setup):
     assert ops and all(t["seq_chain"].eq(0).all() for t in ops.values())
     manifest = json.loads((cache / "manifest.json").read_text())
     op = manifest["totals"]["onpolicy"]
-    assert op["n_seqs"] == 12 and op["n_response_tokens"] > 0  # 13 kept conversations, one prompt too long
+    assert op["n_seqs"] == 13 and op["n_response_tokens"] > 0  # 14 kept conversations, one prompt too long
     # the trainer's own loaders read every shard: its rows are the answer tokens, nothing else
     train, held, m = load_rows(str(cache), EXIT_LAYERS, 0.2, 0)
     n = len(train["target_ids"]) + len(held["target_ids"])
@@ -470,6 +475,33 @@ def test_train_extra_names_the_dataset_package():
 
 # ---------------------------------------------------------------------------------------------------------------
 # data of the user's own: JSONL chats and plain texts, a base model without a chat template
+
+
+def test_prompts_without_answers_are_all_answered_by_the_model(setup, capsys):
+    """Your own prompts (JSONL chats of one user turn, no answer) have nothing to teacher-force: the model answers
+    every one of them, whatever onpolicy_share says, with Hugging Face's own greedy `generate` of the prompt; chats
+    with answers beside them are teacher-forced as before, and not answered at onpolicy_share 0."""
+    roles = {"human": "user", "gpt": "assistant"}
+    questions = [words(500 + k, 3 + k) for k in range(5)]
+    lines = [{"id": f"q{k}", "messages": [{"role": "user", "content": q}]} for k, q in enumerate(questions)]
+    lines += [{"id": c["id"], "messages": [{"role": roles[t["from"]], "content": t["value"]}
+                                           for t in c["conversations"]]}
+              for c in fake_conversations() if c["id"] in ("c0", "c1")]
+    path = setup["root"] / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cache = run(setup, "prompts", "--data", str(path))  # onpolicy_share 0
+    assert "(5 prompts without an answer: the model answers them)" in capsys.readouterr().err
+    forced = [int(q) for t in shards(cache, "tf-").values() for q in t["seq_qid"]]
+    assert sorted(forced) == [5, 5, 6, 6]  # c0 and c1, two answers each
+    model, tok = setup["model"], setup["tok"]
+    answered = {}
+    for t in shards(cache, "op-").values():
+        for i, rows, p in sequences(t):
+            seq = t["seq_tokens"][t["seq_token_offsets"][i]:t["seq_token_offsets"][i + 1]].long()
+            assert questions[int(t["seq_qid"][i])] in tok.decode(seq[:p])
+            out = model.generate(seq[None, :p], max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+            answered[int(t["seq_qid"][i])] = torch.equal(out[0, p:], seq[p:])
+    assert answered == {k: True for k in range(5)}
 
 
 def test_jsonl_chats_give_the_rows_of_the_same_sharegpt_file(setup):

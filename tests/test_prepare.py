@@ -226,6 +226,21 @@ def test_a_base_model_without_a_chat_template_trains_on_plain_text(tmp_path):
     assert json.loads((out / "prepare.json").read_text())["stages"]["report"]["bench"]
 
 
+def test_prompts_without_answers_are_answered_and_trained_on(tmp_path):
+    """--data of prompts alone (a deployment's own questions, no answers): the collection is the model's own answer
+    to every one of them, and the heads train on those."""
+    path = model_dir(tmp_path, "llama")
+    data = tmp_path / "prompts.jsonl"
+    g = torch.Generator().manual_seed(2)
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": sentence(g, 6)}]}) + "\n"
+                            for _ in range(16)))
+    out = tmp_path / "out"
+    assert prepare.main([str(path), "--output", str(out), "--data", str(data), *FAST]) == 0
+    totals = json.loads((out / "data" / "manifest.json").read_text())["totals"]
+    assert totals["teacher_forced"]["n_seqs"] == 0 and totals["onpolicy"]["n_seqs"] == 16
+    assert (out / "heads.safetensors").is_file()
+
+
 def test_help_shows_every_flag(capsys):
     with pytest.raises(SystemExit) as stop:
         prepare.parse_args(["--help"])

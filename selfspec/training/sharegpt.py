@@ -5,7 +5,8 @@ human -> user and gpt -> assistant (other roles and empty turns skipped, consecu
 minus every conversation that contains a Spec-Bench turn of either split (normalised substring match). Then
 teacher-forced shards `tf-NNNNN` until `target_tokens` assistant tokens (teacher_forced.py), and on-policy shards
 `op-c{chain}-NNN`: for `onpolicy_share` of the conversations the model answers the first user turn itself
-(answers.py). Each kind has its own settings hash; `batch_tokens` and `target_tokens` are in neither, so raising the
+(answers.py). A chat that is only a question (no answer: your own prompts) has nothing to teacher-force: the model
+answers every such one. Each kind has its own settings hash; `batch_tokens` and `target_tokens` are in neither, so raising the
 target only adds shards.
 """
 from __future__ import annotations
@@ -143,7 +144,8 @@ def read_sharegpt(text: str) -> tuple[list[dict], dict]:
 def sharegpt_messages(conv: dict) -> list[dict]:
     """A ShareGPT conversation as chat messages: human -> user, gpt -> assistant; other roles (system, bing, ...)
     and empty turns skipped; consecutive turns of one role joined with a blank line; leading assistant and
-    trailing user turns dropped (no question / no answer). Empty when no user -> assistant exchange is left."""
+    trailing user turns dropped (no question / no answer). A conversation with a question but no answer is that
+    first user turn alone (a prompt for the model to answer); empty when no user turn is left."""
     turns = conv.get("conversations") or []
     if len(turns) == 1 and turns[0].get("from") == "text":  # plain text (read_chats): one answer, no prompt
         text = str(turns[0].get("value") or "").strip()
@@ -160,9 +162,16 @@ def sharegpt_messages(conv: dict) -> list[dict]:
             msgs.append({"role": role, "content": text})
     while msgs and msgs[0]["role"] != "user":
         msgs.pop(0)
+    if len(msgs) == 1:
+        return msgs  # a prompt only
     while msgs and msgs[-1]["role"] != "assistant":
         msgs.pop()
     return msgs
+
+
+def has_answer(msgs: list[dict]) -> bool:
+    """Whether a chat of sharegpt_messages has text to teacher-force (an answer, or a plain text)."""
+    return msgs[-1]["role"] in ("assistant", "text")
 
 
 _PUNCT = re.compile(r"[^\w\s]|_")
@@ -302,16 +311,20 @@ def collect_sharegpt(args, cfg: dict) -> int:
     log(f"model {fingerprint['dtype']} on {next(model.parameters()).device}, {torch.get_num_threads()} thread(s); "
         f"settings {tf_hash} (teacher-forced) / {op_hash} (on-policy); cache {cache}")
 
-    # the on-policy jobs first: with a time budget they keep ONPOLICY_TIME of it for themselves
+    # the on-policy jobs first: with a time budget they keep ONPOLICY_TIME of it for themselves (all of it when
+    # no chat has an answer to teacher-force); a prompt without an answer is always answered
     chain = 1 if sc["onpolicy_sample"] else 0
     jobs = [Job(i, "sharegpt", 1, chain, [msgs[0]]) for i, cid, msgs in chats  # plain texts ask nothing
-            if msgs[0]["role"] == "user" and onpolicy_pick(int(sc["seed"]), cid, float(sc["onpolicy_share"]))]
+            if msgs[0]["role"] == "user" and (not has_answer(msgs) or
+                                              onpolicy_pick(int(sc["seed"]), cid, float(sc["onpolicy_share"])))]
     encode_prompts(tok, jobs)
     jobs = [j for j in jobs if len(j.prompt_ids) + int(sc["max_new_tokens"]) <= int(sc["max_len"])]
+    answered = [c for c in chats if has_answer(c[2])]
     tf_deadline = deadline
     if jobs and deadline < float("inf"):
         tf_deadline = deadline - ONPOLICY_TIME * max(deadline - time.monotonic(), 0.0)
-    teacher_forced_stage(run, model, tok, chats, tf_hash, tf_deadline)
+    if answered:
+        teacher_forced_stage(run, model, tok, answered, tf_hash, tf_deadline)
     onpolicy_stage(run, model, tok, jobs, op_hash, deadline)
 
     manifest = write_sharegpt_manifest(cache, sc, fingerprint, run.shash, data, decon, run.metas)
@@ -349,11 +362,14 @@ def read_data(sc: dict, most: int | None) -> tuple[list, dict, dict, str]:
     chats = [(i, str(convs[i].get("id")), sharegpt_messages(convs[i])) for i in kept]
     del convs
     chats = [c for c in chats if c[2]]
-    data["n_with_exchange"] = len(chats)  # after decontamination, with at least one user -> assistant exchange
+    data["n_with_exchange"] = sum(has_answer(c[2]) for c in chats)  # after decontamination: user -> assistant
+    data["n_prompts_only"] = len(chats) - data["n_with_exchange"]  # a question without an answer
     if most:
         chats = chats[:most]
     log(f"{data['n_objects']} conversations parsed ({'cut off' if data['cut_off'] else 'complete'} file, "
-        f"{data['n_assistant_turns']} assistant turns), {len(chats)} used, in {time.perf_counter() - t0:.0f}s")
+        f"{data['n_assistant_turns']} assistant turns), {len(chats)} used"
+        + (f" ({data['n_prompts_only']} prompts without an answer: the model answers them)" if data["n_prompts_only"]
+           else "") + f", in {time.perf_counter() - t0:.0f}s")
     return chats, data, decon, questions_sha
 
 
