@@ -560,6 +560,14 @@ def test_a_data_file_in_neither_format_is_one_line(tmp_path, content, message):
         sharegpt.read_chats(path.read_text(), str(path))
 
 
+def test_a_data_file_with_nothing_to_collect_is_one_line(setup):
+    path = setup["root"] / "answers-only.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "Hello."}]}) + "\n")
+    with pytest.raises(ValueError, match=r"answers-only.jsonl holds no chat to collect: of its 1 objects, 0 contain "
+                                         r"a Spec-Bench question and the rest have no user turn and no text. Fix:"):
+        run(setup, "nothing", "--data", str(path))
+
+
 def test_train_heads_resumes_from_a_safetensors_checkpoint(setup, monkeypatch, capsys):
     """Interrupted after its first checkpoint, train-heads resumes there with the planned steps, from a safetensors
     checkpoint (no pickle); a time budget plans the steps that fit after timing the first few."""

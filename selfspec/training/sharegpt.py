@@ -362,6 +362,10 @@ def read_data(sc: dict, most: int | None) -> tuple[list, dict, dict, str]:
     chats = [(i, str(convs[i].get("id")), sharegpt_messages(convs[i])) for i in kept]
     del convs
     chats = [c for c in chats if c[2]]
+    if not chats:
+        raise ValueError(f"{path} holds no chat to collect: of its {data['n_objects']} objects, "
+                         f"{decon['n_dropped']} contain a Spec-Bench question and the rest have no user turn and "
+                         f"no text. Fix: {CHAT_LINE}")
     data["n_with_exchange"] = sum(has_answer(c[2]) for c in chats)  # after decontamination: user -> assistant
     data["n_prompts_only"] = len(chats) - data["n_with_exchange"]  # a question without an answer
     if most:
