@@ -1,13 +1,13 @@
 """`train.collect --source sharegpt`: ShareGPT (or your own chats) teacher-forced, plus the model's own answers.
 
-ShareGPT V3 conversations, parsed object by object (the packaged file is cut off mid-object), roles mapped
-human -> user and gpt -> assistant (other roles and empty turns skipped, consecutive turns of one role joined),
-minus every conversation that contains a Spec-Bench turn of either split (normalised substring match). Then
-teacher-forced shards `tf-NNNNN` until `target_tokens` assistant tokens (teacher_forced.py), and on-policy shards
+ShareGPT V3 conversations, parsed object by object (the packaged file is cut off mid-object), roles mapped human ->
+user and gpt -> assistant (other roles and empty turns skipped, consecutive turns of one role joined), minus every
+conversation that contains a Spec-Bench turn of either split (normalised substring match). Then teacher-forced
+shards `tf-NNNNN` until `target_tokens` assistant tokens (teacher_forced.py), and on-policy shards
 `op-c{chain}-NNN`: for `onpolicy_share` of the conversations the model answers the first user turn itself
 (answers.py). A chat that is only a question (no answer: your own prompts) has nothing to teacher-force: the model
-answers every such one. Each kind has its own settings hash; `batch_tokens` and `target_tokens` are in neither, so raising the
-target only adds shards.
+answers every such one. Each kind has its own settings hash; `batch_tokens` and `target_tokens` are in neither, so
+raising the target only adds shards.
 """
 from __future__ import annotations
 
