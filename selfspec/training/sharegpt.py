@@ -323,8 +323,7 @@ def collect_sharegpt(args, cfg: dict) -> int:
     tf_deadline = deadline
     if jobs and deadline < float("inf"):
         tf_deadline = deadline - ONPOLICY_TIME * max(deadline - time.monotonic(), 0.0)
-    if answered:
-        teacher_forced_stage(run, model, tok, answered, tf_hash, tf_deadline)
+    teacher_forced_stage(run, model, tok, answered, tf_hash, tf_deadline)
     onpolicy_stage(run, model, tok, jobs, op_hash, deadline)
 
     manifest = write_sharegpt_manifest(cache, sc, fingerprint, run.shash, data, decon, run.metas)
