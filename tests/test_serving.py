@@ -18,7 +18,7 @@ from transformers import AutoConfig
 import selfspec
 from conftest import make_model
 from selfspec.heads import FusedHead, MLPHead
-from selfspec.serving.export import write_draft
+from selfspec.serving.export import export_vllm, write_draft
 from selfspec.serving.vllm_draft import ARCHITECTURE
 from selfspec.serving.vllm_ngram import propose_rows
 
@@ -100,6 +100,24 @@ def test_a_fused_head_exports_its_layer_and_mix_beside_its_fusion(tmp_path, fami
     torch.testing.assert_close(draft.transform(hidden, None, prev_top), head.fused(hidden, None, prev_top))
 
 
+def test_the_export_command_writes_the_shipped_heads_draft_and_how_to_serve_it(tmp_path, smollm2, capsys):
+    """`selfspec export-vllm --output DIR` on the shipped model: the draft holds its config's exit layers and head,
+    its weights in the dtype asked, and the lines it prints start vLLM with that directory."""
+    from selfspec.cli import main
+
+    model, _ = smollm2
+    assert main(["export-vllm", "--output", str(tmp_path / "draft"), "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["selfspec_head"]["kind"] == "mlp"
+    assert config["num_hidden_layers"] == config["selfspec_head"]["exit_layer"] >= 1
+    tensors = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.float32}
+    torch.testing.assert_close(tensors["model.layers.0.mlp.up_proj.weight"],
+                               model.state_dict()["model.layers.0.mlp.up_proj.weight"], rtol=0, atol=0)
+    printed = capsys.readouterr().out
+    assert f'"model": "{tmp_path / "draft"}"' in printed and '"method": "eagle"' in printed
+
+
 def test_export_refuses_what_vllm_cannot_draft_with(tmp_path):
     model, _ = _wrapped(tmp_path, context="early")
     with pytest.raises(ValueError, match="context top"):
@@ -165,10 +183,12 @@ def test_vllm_serves_selfspecs_drafters_with_its_own_outputs(tmp_path, smollm2):
     draft model that skipped or mis-cached the layer would give the outputs but not the acceptance."""
     from selfspec.serving.vllm_bench import workload
 
-    subprocess.run([sys.executable, "-m", "selfspec.cli", "export-vllm", "--output", str(tmp_path / "draft")],
-                   check=True, capture_output=True)
+    export_vllm("smollm2-135m", str(tmp_path / "draft"))
     model, engine = _fused_from_shipped(tmp_path / "fused")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # each engine runs in its bench child's own process (no engine-core and worker processes beside it): the same
+    # engine and outputs, started in half the time
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(
         [VLLM_PYTHON, "-m", "selfspec.serving.vllm_bench", "--draft", str(tmp_path / "draft"), str(tmp_path / "fused"),
          "--dtype", "float32", "--enforce-eager", "--methods", "vllm", "selfspec-ngram", "selfspec-heads",
