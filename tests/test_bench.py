@@ -79,6 +79,32 @@ def test_acceptance_columns_mean_what_they_say(result):
     assert overall["hf-early-exit"]["mean_accepted"] > 1.0  # HF's candidates are counted too
 
 
+class PacedEarlyExit(bench_methods.HFMethod):
+    """hf-early-exit run for real, its time replaced by a planted pace per exit layer; logs (E, prompt) it ran."""
+
+    def __init__(self, pace: dict[int, float]):
+        base = bench_methods.METHODS["hf-early-exit"]
+        super().__init__("hf-early-exit, paced", base.extra, base.chunk)
+        self.pace, self.ran = pace, []
+
+    def run(self, h, batch, reference, max_new):
+        out = super().run(h, batch, reference, max_new)
+        self.ran.append((h.hf_exit_layer, batch.question_ids[0]))
+        out.seconds = sum(map(len, out.rows)) / self.pace[h.hf_exit_layer]
+        return out
+
+
+def test_a_deep_exit_far_behind_on_the_first_prompt_is_not_timed_again(model):
+    """hf-early-exit's E: every candidate runs the first tuning prompt, those within 0.8 of its fastest run the
+    rest, and the fastest of those over all of them is used."""
+    method = PacedEarlyExit({1: 10.0, 2: 9.0, 3: 2.0})
+    h = bench.Harness(model, bench.BenchConfig(**SMALL), 0, [EOS])
+    tune = [_batch("tune", 91), _batch("tune", 92)]
+    speeds = bench.tune_hf_exit(h, {"hf-early-exit": method}, tune, [1, 2, 3])
+    assert method.ran == [(1, "tune-91"), (2, "tune-91"), (3, "tune-91"), (1, "tune-92"), (2, "tune-92")]
+    assert speeds == pytest.approx({1: 10.0, 2: 9.0, 3: 2.0}) and h.hf_exit_layer == 1
+
+
 class Perturbed(bench_methods.HFMethod):
     """hf-greedy with one token changed: a planted mismatch."""
 
