@@ -22,8 +22,9 @@ layout once, instead of the reorder an eager bfloat16 Linear makes at every call
 where the copies of every bucket would not fit in the memory available (COPIES_PER_STATIC_STEP), every pass of a
 layer range shares one graph, its token count marked dynamic and a single token padded to two rows. On CUDA,
 mode="reduce-overhead" captures CUDA graphs, which removes the per-kernel launch cost that bounds an eager step of a
-small model. An exit head's MLP and the LM-head rows of its draft vocabulary compile the same way. The prompt, whose
-length changes from call to call, and an attention head's own layer run eager.
+small model. An exit head's MLP and the LM-head rows of its draft vocabulary compile the same way, and so does a
+stateful head's own pass (its layer over a one-layer cache of its own, Runner.run_own), at the same buckets. The
+prompt, whose length changes from call to call, runs eager.
 
 The compiled graphs hold the weights as they were when compiled (freezing folds them in as constants): a model
 whose weights change afterwards gets `model.selfspec.reset_compiled()`.
@@ -263,20 +264,26 @@ class CompiledStep:
         """The LM head over (B, T, H) states through the compiled head, or None where it does not run compiled."""
         return self._token_pass(head_logits, ("logits",), adapter, normed)
 
+    def module_number(self, module) -> int | str | None:
+        """The number that keys `module`'s graphs (an exit head, a head's own layer), or None where its weights moved
+        since its first compiled call (the graph holds them as they were: it runs eager). A module without weights,
+        the plain exit made anew by each call, is keyed by its class: one graph serves every head of its kind."""
+        weights = tuple((p.data_ptr(), p._version) for p in module.parameters())
+        if not weights:
+            return type(module).__name__
+        if module not in self._heads:
+            self._head_count += 1
+            self._heads[module] = (self._head_count, weights)
+        number, compiled_weights = self._heads[module]
+        return number if weights == compiled_weights else None
+
     def head_normed(self, head, adapter, hidden: torch.Tensor, prev_top: torch.Tensor | None) -> torch.Tensor | None:
         """ExitHead.normed of (B, T, H) layer-E states through the compiled head, or None where it runs eager."""
         if not self.runs(hidden.shape[1]):  # first: a head called in training is not recorded mid-change
             return None
-        weights = tuple((p.data_ptr(), p._version) for p in head.parameters())
-        if weights:
-            if head not in self._heads:
-                self._head_count += 1
-                self._heads[head] = (self._head_count, weights)
-            number, compiled_weights = self._heads[head]
-            if weights != compiled_weights:
-                return None
-        else:  # the plain exit, made anew by each call: one graph serves every head of its kind
-            number = type(head).__name__
+        number = self.module_number(head)
+        if number is None:
+            return None
         prev = None if prev_top is None else prev_top.to(hidden.device)
         return self._token_pass(exit_head_output, ("head", number, prev is None), head, adapter, hidden, prev)
 

@@ -8,7 +8,7 @@ import torch
 
 from .cache import SpecCache
 from .lookup import PAD, SuffixIndex
-from .heads import ExitHead, previous_top
+from .heads import ExitHead, fused_pass, layer_pass, previous_top
 
 
 class TopStates:
@@ -105,49 +105,61 @@ class HeadCache:
     goes in after prefill, each drafted input as the drafter runs it, and after verification it is cut back like
     the shared cache and given the verified inputs it has not seen (for context="top": all of this step's
     verified inputs again, as final-layer states in place of the layer-E states it drafted from; for a fused
-    head: all of them again, fused with the verifier's final states in place of its own estimates)."""
+    head: all of them again, fused with the verifier's final states in place of its own estimates). Every pass
+    of the head runs through the loop's runner (`run_own`: compiled where the step is), over a buffer the runner
+    sized like the shared cache's."""
 
-    def __init__(self, head: ExitHead, view, prompt):
-        self.head, self.cache = head, SpecCache(1)
+    def __init__(self, head: ExitHead, cache: SpecCache):
+        self.head, self.cache = head, cache
+
+    @classmethod
+    def after_prompt(cls, head: ExitHead, view, prompt) -> "HeadCache":
+        """The head's cache for a call, holding the prompt (`prompt`: the drafter's PromptStates)."""
         if prompt.exit_layer != head.exit_layer:
             raise ValueError(f"The prefill ran to layer {prompt.exit_layer}, but the head exits at "
                              f"layer {head.exit_layer}; set config.exit_layer to the head's layer.")
-        if self.fuses:  # each prompt position fused with the final state before it (none before position 0)
+        new = cls(head, view.own_cache())
+        if new.fuses:  # each prompt position fused with the final state before it (none before position 0)
             prev = previous_top(prompt.top).masked_fill((prompt.positions == 0)[..., None], 0.0)
-            self.feed(view, self.head.fused(prompt.early, view.adapter, prev), prompt.positions)
+            new.feed(view, prompt.early, prompt.positions, prev)
         else:
-            self.feed(view, prompt.top if head.context == "top" else prompt.early, prompt.positions)
+            new.feed(view, prompt.top if head.context == "top" else prompt.early, prompt.positions)
+        return new
 
     @property
     def fuses(self) -> bool:
         """A fused head: its layer reads fused states (heads.FusedHead), which the cache is fed with."""
         return self.head.reads_top
 
-    def feed(self, view, hidden: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None = None):
-        """Run the head's layer on (B, T, H) states entering the next T slots (`tree`: the step's ancestor matrix
-        while it drafts a tree); returns its (B, T, H) output."""
+    def feed(self, runner, hidden: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor | None = None,
+             tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the head on (B, T, H) states entering the next T slots, through `runner` (the loop's DraftView, or a
+        Runner in the warm-up: anything with `run_own`); `prev` (B, T, H): the final states a fused head fuses them
+        with; `tree`: the step's ancestor matrix while it drafts a tree. Returns the layer's (B, T, H) output, for a
+        fused head its normed output."""
         weight = next(self.head.layer.parameters())
         hidden, positions = hidden.to(weight.device, weight.dtype), positions.to(weight.device)
+        like = self.head.source_layer
         if self.fuses:
-            return self.head.attend(hidden, view.adapter, positions, view.own_layer_mask(
-                self.head.source_layer, self.cache, positions, hidden.dtype, tree), self.cache)
-        return view.run_own_layer(self.head.layer, self.head.source_layer, self.cache, hidden, positions, tree)
+            return runner.run_own(fused_pass, self.head, like, self.cache, positions, hidden,
+                                  prev.to(weight.device, weight.dtype), tree=tree)
+        return runner.run_own(layer_pass, self.head, like, self.cache, positions, hidden, tree=tree)
 
     def draft(self, view, hidden: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor, tree=None):
         """A fused head's drafting: (B, T, H) layer-E states of inputs and the states before them (the verifier's
         or the head's estimates) into the cache -> the head's (B, T, H) normed outputs there."""
-        return self.head.normed_out(self.feed(view, self.head.fused(hidden, view.adapter, prev), positions, tree),
-                                    view.adapter)
+        return self.feed(view, hidden, positions, prev, tree)
 
     def catch_up(self, view, step, last_top: torch.Tensor | None = None) -> None:
         """After verification: cut back to the verified prefix and feed what `step` (a VerifyStep) verified
         (`last_top` (B, H): a fused head's final state of the position before the step)."""
         verified_len = view.verified_len
+        prev = None
         if self.fuses or self.head.context == "top" or step.kept is not None:  # after a tree: its path, in order
             self.cache.rollback(step.base)
             if self.fuses:
                 prev = torch.cat([last_top[:, None].to(step.top.dtype), step.top[:, :-1]], dim=1)
-                source = self.head.fused(step.early, view.adapter, prev)
+                source = step.early
             else:
                 source = step.top if self.head.context == "top" else step.early
         else:
@@ -156,4 +168,4 @@ class HeadCache:
         start = self.cache.layer_length(0)
         if start < verified_len:
             cols = slice(start - step.base, verified_len - step.base)
-            self.feed(view, source[:, cols], step.positions[:, cols])
+            self.feed(view, source[:, cols], step.positions[:, cols], None if prev is None else prev[:, cols])

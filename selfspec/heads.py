@@ -279,6 +279,18 @@ class AttentionHead(ExitHead):
         return self.attend(torch.cat([top, early], dim=1), adapter, positions, mask)[:, t:]
 
 
+def layer_pass(adapter: ArchAdapter, head: "AttentionHead", positions, mask, cache, hidden) -> torch.Tensor:
+    """An attention head's pass over its own cache (Runner.run_own): its layer on (B, T, H) states -> (B, T, H)."""
+    return head.attend(hidden, adapter, positions, mask, cache)
+
+
+def fused_pass(adapter: ArchAdapter, head: "FusedHead", positions, mask, cache, hidden, prev) -> torch.Tensor:
+    """A fused head's pass over its own cache (Runner.run_own): (B, T, H) layer-E states and the final states before
+    them (the verifier's, or the head's own estimates) -> the head's (B, T, H) normed outputs; the fused states' KV
+    goes to the cache. One function for drafting and for feeding verified positions, so both compile."""
+    return head.normed_out(head.attend(head.fused(hidden, adapter, prev), adapter, positions, mask, cache), adapter)
+
+
 def round_mask(valid: torch.Tensor, round_len: int, offset: int):
     """Draft rounds of `round_len` starting at `offset`, over right-padded sequences whose real keys `valid` (B, T)
     marks: (start (T,), the first position of each query's round; mask (B, 1, 2T, 2T) over keys laid out as

@@ -41,6 +41,13 @@ def slot_layer_range(adapter: ArchAdapter, start: int, stop: int, hidden, positi
     return layer_range(adapter, start, stop, hidden, positions, masks, _SlotWriter(keys, values, slots, length, start))
 
 
+def slot_own_pass(fn, adapter: ArchAdapter, module, positions, mask, slots, key, value, *states):
+    """`fn` (a drafter's own pass, Runner.run_own) over one preallocated KV buffer, the function torch.compile wraps:
+    the (B, Tb) tokens' KV goes to `slots` (Tb,) of `key`/`value`, read up to the mask's S slots."""
+    writer = _SlotWriter([key], [value], slots, mask.shape[-1], 0)
+    return fn(adapter, module, positions, mask, writer, *states)
+
+
 class _SlotWriter:
     """The cache a compiled pass hands the model's layers: `update` writes the new KV at the pass's slots (a tensor,
     so no length is a Python number the compiler would specialise on) and returns the layer's buffer up to `length`."""
@@ -139,18 +146,26 @@ class Runner:
         hidden = self.run(exit_layer, self.adapter.num_layers, hidden, positions, tree=tree)
         return self.adapter.final_norm(hidden)
 
-    def own_layer(self, layer, i: int, cache: SpecCache, hidden, positions, tree: Tree | None = None):
-        """One extra decoder-layer module (a head's copy of layer i) on (B, T, H) states at (B, T) positions. Its KV
-        goes to layer 0 of its own `cache`, whose slots stay aligned with the shared slot table, so the masks
-        (holes, padding, the sliding window of layer i, a tree) come from the same table."""
-        mask = self.own_mask(i, cache, positions, hidden.dtype, tree)
-        return self.adapter.call_module(layer, i, hidden, mask, positions, self.adapter.rotary(hidden, positions),
-                                        cache)
+    def own_cache(self) -> SpecCache:
+        """A one-layer cache for a drafter's own module (a head's layer), its slots mirroring the shared cache's and
+        its buffer allocated at the same size, so that its passes compile as the shared layers' do."""
+        cache = SpecCache(1)
+        cache.reserve(self.cache.layers[0].min_capacity)
+        return cache
 
-    def own_mask(self, i: int, cache: SpecCache, positions, dtype, tree: Tree | None = None):
-        """The mask `own_layer` gives a copy of layer i for (B, T) positions entering the next slots of `cache`."""
+    def run_own(self, fn, module, like: int, cache: SpecCache, positions, *states, tree: Tree | None = None):
+        """A pass of a drafter's own module: `fn(adapter, module, positions, mask, cache, *states)` on (B, T, H)
+        `states` at (B, T) positions, where `module` holds a copy of decoder layer `like` whose KV goes to layer 0 of
+        its own `cache` (own_cache). The masks (holes, padding, layer `like`'s window, a tree) come from the shared
+        slot table. Compiled where a graph shape fits and the module's weights are as compiled, else eager: the
+        same `fn` either way (heads.fused_pass, heads.layer_pass)."""
         q_start, t = cache.layer_length(0), positions.shape[1]
-        return self._mask(self.slots.view(q_start + t), positions, q_start, self.adapter.window(i), dtype, tree)
+        number = self._compiled_module(module, cache, q_start, t)
+        if number is not None:
+            return self._compiled_own(fn, module, number, like, cache, positions, states, q_start, tree)
+        live = self.slots.view(q_start + t)
+        mask = self._mask(live, positions, q_start, self.adapter.window(like), states[0].dtype, tree)
+        return fn(self.adapter, module, positions, mask, cache, *states)
 
     # --- the compiled pass ---------------------------------------------------------------------------------------
     def _compiles(self, start: int, stop: int, q_start: int, tokens: int) -> bool:
@@ -185,5 +200,40 @@ class Runner:
                         masks, slots, list(keys), list(values))
         for layer in layers:
             layer.advance(t)
+        step.announce()
+        return step.real_rows(out, t)
+
+    def _compiled_module(self, module, cache: SpecCache, q_start: int, tokens: int):
+        """The compiled step's number for `module` where a pass of `tokens` tokens of it into `cache` runs compiled
+        (a shape fits, its buffer has room, its weights are as compiled), else None."""
+        if self.compiled is None or not self.compiled.runs(tokens):
+            return None
+        layer, (tb, _) = cache.layers[0], self.compiled.size(tokens)
+        if not (layer.capacity > q_start + tb and layer.length == q_start):
+            return None
+        return self.compiled.module_number(module)
+
+    def _compiled_own(self, fn, module, number, like: int, cache: SpecCache, positions, states, q_start: int,
+                      tree: Tree | None):
+        """`run_own` through the compiled `slot_own_pass`, padded and masked as `_compiled_pass` does a layer range."""
+        step, adapter = self.compiled, self.model_adapter
+        b, t = positions.shape
+        tb, key = step.size(t)
+        layer = cache.layers[0]
+        length = layer.capacity - 1 if step.cuda else q_start + tb
+        dtype = states[0].dtype
+        live = self.slots.view(q_start + t)
+        mask = padded_mask(build_mask(live, positions, q_start, adapter.window(like), dtype, "sdpa", tree), q_start,
+                           t, tb, length, dtype, adapter.attn_impl)
+        k, v = layer.buffers()
+        step.mark_cache([mask], (k, v))
+        if tb > t:
+            positions = torch.cat([positions, positions[:, -1:].expand(b, tb - t)], dim=1)
+        positions, states = dense(positions), [padded(s, tb) for s in states]
+        slots = torch.arange(q_start, q_start + tb, device=positions.device)
+        step.mark_tokens((positions, 1), (slots, 0), (mask, 2), *((s, 1) for s in states))
+        out = step.call(slot_own_pass, ("own", fn.__name__, number, b, key), fn, adapter, module, positions, mask,
+                        slots, k, v, *states)
+        layer.advance(t)
         step.announce()
         return step.real_rows(out, t)

@@ -19,7 +19,7 @@ class DraftView:
     `finished` (B,) rows that are done (`done` on the host); `mask` the prompt's attention mask or None.
     Operations: `process` runs the logits processors on draft logits with the drafts before them as prefix;
     `text_with` is each row's text followed by drafts; `run_early` runs inputs through layers [0, E) into the
-    shared cache (the verifier then skips those layers for them: Draft.hidden); `run_own_layer` runs a head's own
+    shared cache (the verifier then skips those layers for them: Draft.hidden); `run_own` runs a head's own
     decoder layer against the loop's slot table.
 
     Nothing else is written through it: assigning an attribute raises, and the loop refuses a drafter that
@@ -87,15 +87,17 @@ class DraftView:
         matrix (trees.tree_ancestors) of the step's inputs so far, when they form a tree."""
         return self._state.runner.early(inputs, positions, exit_layer, tree=self._tree(tree))
 
-    def run_own_layer(self, layer, like: int, cache, hidden: torch.Tensor, positions: torch.Tensor,
-                      tree: torch.Tensor | None = None) -> torch.Tensor:
-        """A decoder layer of the drafter's own (a head's copy of layer `like`) on (B, T, H) states at (B, T)
-        positions, its KV in the drafter's own `cache`, masked by the loop's slot table (Runner.own_layer)."""
-        return self._state.runner.own_layer(layer, like, cache, hidden, positions, tree=self._tree(tree))
+    def own_cache(self):
+        """A one-layer KV cache for the drafter's own module, sized like the shared cache (Runner.own_cache)."""
+        return self._state.runner.own_cache()
 
-    def own_layer_mask(self, like: int, cache, positions: torch.Tensor, dtype, tree: torch.Tensor | None = None):
-        """The mask `run_own_layer` uses, for a head that calls its layer itself (heads.FusedHead.attend)."""
-        return self._state.runner.own_mask(like, cache, positions, dtype, tree=self._tree(tree))
+    def run_own(self, fn, module, like: int, cache, positions: torch.Tensor, *states: torch.Tensor,
+                tree: torch.Tensor | None = None) -> torch.Tensor:
+        """A pass of the drafter's own module (a head's copy of decoder layer `like`, and what it computes around
+        it): `fn(adapter, module, positions, mask, cache, *states)` on (B, T, H) states at (B, T) positions, its KV
+        in the drafter's own `cache`, masked by the loop's slot table, compiled where the loop's passes are
+        (Runner.run_own)."""
+        return self._state.runner.run_own(fn, module, like, cache, positions, *states, tree=self._tree(tree))
 
     def _tree(self, ancestors):
         """The runner's tree mask for a step's inputs whose (B, M, M) ancestors are given: they start at the

@@ -4,10 +4,10 @@
     model.selfspec.warmup()                  # minutes on a CPU; afterwards no generate call compiles anything
 
 With `compile=True` each pass shape (a layer range at a number of query tokens, the LM head, an exit head and its
-draft rows) compiles the first time it runs. Which shapes a config makes is known before any request: the split
-layer E gives the layer ranges, the widest draft (K, a copying chain, a tree) gives the query counts, and the head at
-E gives the head passes. `warm_up` runs each of them once on a throwaway cache, through the same Runner the decode
-loop uses, so the graphs it compiles are the ones requests then reuse.
+draft rows, a stateful head's own pass) compiles the first time it runs. Which shapes a config makes is known before
+any request: the split layer E gives the layer ranges, the widest draft (K, a copying chain, a tree) gives the query
+counts, and the head at E gives the head passes. `warm_up` runs each of them once on a throwaway cache, through the
+same Runner the decode loop uses, so the graphs it compiles are the ones requests then reuse.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from .cache import SlotTable, SpecCache
 from .decoding import DecodeSettings, call_capacity
 from .draft_logits import lm_logits
+from .head_state import HeadCache
 from .runner import Runner
 
 PROMPT = 8  # tokens of the throwaway prompt the passes run after (any length: the cache length is dynamic)
@@ -70,7 +71,7 @@ def _plan(engine, compiled, max_length: int) -> dict:
     widest = max(settings.max_draft_tokens, settings.copy_draft_tokens, settings.tree_size) + 1
     head = engine.head_for(e) if drafter.uses_early_layers else None
     return {"ranges": [(0, e), (e, layers)] if e < layers else [(0, layers)], "exit_layer": e,
-            "sizes": pass_sizes(compiled, widest), "head": None if head is None or head.stateful else head,
+            "sizes": pass_sizes(compiled, widest), "head": head,
             "capacity": call_capacity(settings, PROMPT)}
 
 
@@ -81,7 +82,7 @@ def _run_passes(engine, compiled, plan: dict, batch: int, tokens: int) -> None:
                                                                        plan["capacity"], batch > 1), compiled)
     runner.cache.reserve(compiled.capacity(plan["capacity"]))
     ids = torch.zeros(batch, PROMPT, dtype=torch.long, device=runner.slots.pos.device)
-    runner.prompt(ids, None, adapter.num_layers)  # eager: allocates every layer's buffer
+    prompt, prompt_positions = runner.prompt(ids, None, adapter.num_layers)  # eager: allocates every layer's buffer
     positions = PROMPT + torch.arange(tokens, device=ids.device).expand(batch, tokens)
     hidden = runner.adapter.embed(ids[:, :1].expand(batch, tokens), positions)
     for start, stop in plan["ranges"]:
@@ -92,6 +93,12 @@ def _run_passes(engine, compiled, plan: dict, batch: int, tokens: int) -> None:
     normed = runner.adapter.final_norm(out)
     runner.adapter.logits(normed)
     head = plan["head"]
-    if head is not None:
+    if head is not None and head.stateful:  # its own pass, after the prompt fed eager as a call's first is
+        states = HeadCache(head, runner.own_cache())
+        states.feed(runner, prompt, prompt_positions, prompt if head.reads_top else None)
+        own = states.feed(runner, early, positions, normed if head.reads_top else None)
+        own = own if head.reads_top else runner.adapter.final_norm(own)
+        lm_logits(runner.adapter, own, head.vocab_ids)
+    elif head is not None:
         own = head.normed(early, runner.adapter, normed if head.reads_top else None)
         lm_logits(runner.adapter, own, head.vocab_ids)

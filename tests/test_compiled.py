@@ -89,28 +89,53 @@ def test_compiled_heads_draft_what_eager_heads_draft(tree):
     assert {"head", "rows"} <= seen, seen  # the head did run compiled
 
 
-def test_a_fused_head_drafts_beside_the_compiled_step():
-    """A fused head's own layer and cache run eager beside the compiled passes of the model's layers: the same drafts
-    as in eager decoding (equal drafted and accepted counts) and Hugging Face's tokens."""
-    from selfspec.heads import FusedHead
+def _stateful_head(model, kind: str):
+    """A fused head with its layer mixed in (drafts of its own), or a top-context attention head, at layer 2."""
+    from selfspec.heads import AttentionHead, FusedHead
 
+    adapter = selfspec.arch.adapter_for(model)
+    if kind == "attn":
+        return AttentionHead.from_model(adapter, 2, context="top")
+    head = FusedHead.from_model(adapter, 2)
+    with torch.no_grad():
+        head.mix.fill_(1.0)
+    return head
+
+
+# a tree's shapes and the attention head repeat the fused chain's checks: slow
+@pytest.mark.parametrize("kind,tree", [("fused", 1), pytest.param("fused", 3, marks=pytest.mark.slow),
+                                       pytest.param("attn", 1, marks=pytest.mark.slow)])
+def test_a_stateful_heads_own_passes_run_compiled(kind, tree):
+    """A fused or attention head's own layer runs compiled over its own cache's buffer (Runner.run_own), drafting and
+    catching up after verification: the same drafts as in eager decoding (equal drafted and accepted counts) and
+    Hugging Face's tokens. For the fused chain, warmup() first compiles its own passes with the rest, each in one
+    graph: the call after it compiles nothing."""
     model = make_model("llama", dtype=torch.float32)
     ids = prompt(seed=13, length=10)
     plain = _plain(model, ids)
-    head = FusedHead.from_model(selfspec.arch.adapter_for(model), 2)
-    with torch.no_grad():
-        head.mix.fill_(1.0)  # its layer mixed in: drafts of its own
+    head = _stateful_head(model, kind)
     runs = {}
     for compile_ in (False, True):
-        selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, compile=compile_)
+        selfspec.wrap(model, exit_layer=2, max_draft_tokens=4, draft_tree_top_k=tree, draft_tree_size=6,
+                      compile=compile_)
         model.selfspec.add_head(head)
         try:
+            counters.clear()
+            if compile_ and (kind, tree) == ("fused", 1):
+                assert model.selfspec.warmup(progress=False) > 0
+            warm = _graphs()
             out = _plain(model, ids)
             runs[compile_] = (out, model.selfspec.last_stats.drafted_tokens, model.selfspec.last_stats.accepted_tokens)
         finally:
             selfspec.unwrap(model)
     assert torch.equal(runs[True][0], plain) and torch.equal(runs[False][0], plain)
     assert runs[True][2] > 0 and runs[True][1:] == runs[False][1:]
+    step = compiled.step_for(model, model.device)
+    own = {key[2:] for key in step._seen if key[0] == "own"}  # (head, batch, size)
+    assert len(own) >= 2, step._seen  # a draft's single token and the catch-up's verified inputs
+    if warm:
+        assert _graphs() == warm, "a call compiled a pass shape the warm-up missed"
+    assert _graphs() == len(step._seen), "a pass recompiled, or a graph broke in two"
 
 
 def test_a_head_whose_weights_changed_runs_eager():

@@ -52,7 +52,7 @@ class EarlyExitDrafter(Drafter):
         return self.rule.threshold
 
     def begin(self, view: DraftView, prompt: PromptStates | None) -> None:
-        self.head_cache = HeadCache(self.head, view, prompt) if self.head.stateful else None
+        self.head_cache = HeadCache.after_prompt(self.head, view, prompt) if self.head.stateful else None
         if self.tops is not None:
             self.tops.begin(prompt)
         if self.copies is not None:
@@ -76,7 +76,7 @@ class EarlyExitDrafter(Drafter):
         prompt-lookup candidate after each input (the (B, T) `inputs` tokens; without them it drafts as if none
         matched). A fused head does both: its cached layer reads each input fused with its parent's state."""
         if self.head_cache is not None and self.tops is None:
-            out = self.head_cache.feed(view, hidden, positions, tree)
+            out = self.head_cache.feed(view, hidden, positions, tree=tree)
             sub = self.head.logits(out if every else out[:, -1:], view.adapter).float()
             scores = DraftLogits(sub, self.head.vocab_ids, view.vocab_size)
             return scores if every else scores.last()
