@@ -494,7 +494,7 @@ def test_eval_heads_judges_each_output_that_parts_from_plain(tmp_path, capsys):
     from selfspec.training import eval_heads
 
     code = eval_heads.main(["--only", "mlp", "--exits", "1", "--measure", "mlp:1", "--per-category", "1",
-                            "--max-new-tokens", "64", "--output", str(tmp_path)])
+                            "--max-new-tokens", "48", "--output", str(tmp_path)])
     record = json.loads((tmp_path / "results.json").read_text())
     run = next(r for r in record["measured"] if r["design"] == "mlp")
     assert code == 0 and run["differs"] == 0, capsys.readouterr().out[-2000:]
