@@ -145,11 +145,6 @@ class HeadCache:
                                   prev.to(weight.device, weight.dtype), tree=tree)
         return runner.run_own(layer_pass, self.head, like, self.cache, positions, hidden, tree=tree)
 
-    def draft(self, view, hidden: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor, tree=None):
-        """A fused head's drafting: (B, T, H) layer-E states of inputs and the states before them (the verifier's
-        or the head's estimates) into the cache -> the head's (B, T, H) normed outputs there."""
-        return self.feed(view, hidden, positions, prev, tree)
-
     def catch_up(self, view, step, last_top: torch.Tensor | None = None) -> None:
         """After verification: cut back to the verified prefix and feed what `step` (a VerifyStep) verified
         (`last_top` (B, H): a fused head's final state of the position before the step)."""

@@ -430,7 +430,7 @@ class FusedHead(ExitHead):
     def normed(self, hidden: torch.Tensor, adapter: ArchAdapter, prev_top=None) -> torch.Tensor:
         """Stateless: the (B, T, H) normed outputs of (B, T, H) states attending causally over these T positions
         only, with no earlier context (what one draft computes, for the cost model's timing); the drafter runs the
-        head through its cache (head_state.HeadCache.draft)."""
+        head through its cache (head_state.HeadCache.feed)."""
         if prev_top is None:
             raise ValueError("A fused head reads the previous position's final state: pass prev_top.")
         b, t = hidden.shape[:2]

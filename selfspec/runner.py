@@ -115,9 +115,13 @@ class Runner:
                                                                          tree))
         return layer_range(self.model_adapter, start, stop, hidden, positions, masks, self.cache)
 
+    def _windows(self, start: int, stop: int) -> list:
+        """The attention windows of layers [start, stop), each once."""
+        return list(dict.fromkeys(map(self.adapter.window, range(start, stop))))
+
     def _per_window(self, start: int, stop: int, mask_for) -> dict:
         """{window: mask_for(window)} for the attention windows of layers [start, stop), each built once."""
-        return {window: mask_for(window) for window in dict.fromkeys(map(self.adapter.window, range(start, stop)))}
+        return {window: mask_for(window) for window in self._windows(start, stop)}
 
     def _mask(self, live, positions, q_start: int, window, dtype, tree: Tree | None):
         """The (B, 1, T, S) mask of the (B, T) queries from slot q_start over the live slots (B, S) under one
@@ -171,11 +175,13 @@ class Runner:
     def _compiles(self, start: int, stop: int, q_start: int, tokens: int) -> bool:
         """Whether a pass of `tokens` tokens over layers [start, stop) runs compiled: a graph shape fits it, and each
         layer's buffer is allocated with room for the padded pass (the prompt allocates them)."""
-        if self.compiled is None:
-            return False
+        return self.compiled is not None and self._has_room(self.cache.layers[start:stop], q_start, tokens)
+
+    def _has_room(self, layers, q_start: int, tokens: int) -> bool:
+        """Whether a graph shape fits a pass of `tokens` tokens and each of `layers` holds exactly q_start slots in
+        a buffer with room for the padded pass."""
         tb, _ = self.compiled.size(tokens)
-        return tb is not None and all(layer.capacity > q_start + tb and layer.length == q_start
-                                      for layer in self.cache.layers[start:stop])
+        return tb is not None and all(layer.capacity > q_start + tb and layer.length == q_start for layer in layers)
 
     def _compiled_pass(self, start: int, stop: int, hidden, positions, q_start: int, tree: Tree | None):
         """`run` through the compiled `slot_layer_range`: pad the T tokens to the pass's Tb rows, build the masks
@@ -184,56 +190,59 @@ class Runner:
         b, t, _ = hidden.shape
         tb, key = step.size(t)
         layers = self.cache.layers[start:stop]
-        length = layers[0].capacity - 1 if step.cuda else q_start + tb
-        live = self.slots.view(q_start + t)
-        masks = self._per_window(start, stop, lambda window: padded_mask(
-            build_mask(live, positions, q_start, window, hidden.dtype, "sdpa", tree), q_start, t, tb, length,
-            hidden.dtype, adapter.attn_impl))
+        masks, positions, slots = self._padded_inputs(layers, self._windows(start, stop), positions, q_start,
+                                                      hidden.dtype, tree)
+        hidden = padded(hidden, tb)
+        step.mark_tokens((hidden, 1))
         keys, values = zip(*(layer.buffers() for layer in layers))
-        step.mark_cache(list(masks.values()), (*keys, *values))
-        if tb > t:  # a padding row sits at the last real position (its mask lets it see only its own slot)
-            positions = torch.cat([positions, positions[:, -1:].expand(b, tb - t)], dim=1)
-        hidden, positions = padded(hidden, tb), dense(positions)
-        slots = torch.arange(q_start, q_start + tb, device=hidden.device)
-        step.mark_tokens((hidden, 1), (positions, 1), (slots, 0), *((mask, 2) for mask in masks.values()))
         out = step.call(slot_layer_range, ("layers", start, stop, b, key), adapter, start, stop, hidden, positions,
                         masks, slots, list(keys), list(values))
-        for layer in layers:
-            layer.advance(t)
-        step.announce()
-        return step.real_rows(out, t)
+        return self._written(layers, out, t)
 
     def _compiled_module(self, module, cache: SpecCache, q_start: int, tokens: int):
         """The compiled step's number for `module` where a pass of `tokens` tokens of it into `cache` runs compiled
         (a shape fits, its buffer has room, its weights are as compiled), else None."""
-        if self.compiled is None or not self.compiled.runs(tokens):
-            return None
-        layer, (tb, _) = cache.layers[0], self.compiled.size(tokens)
-        if not (layer.capacity > q_start + tb and layer.length == q_start):
+        if self.compiled is None or not self.compiled.runs(tokens) or not self._has_room(cache.layers, q_start, tokens):
             return None
         return self.compiled.module_number(module)
 
     def _compiled_own(self, fn, module, number, like: int, cache: SpecCache, positions, states, q_start: int,
                       tree: Tree | None):
         """`run_own` through the compiled `slot_own_pass`, padded and masked as `_compiled_pass` does a layer range."""
-        step, adapter = self.compiled, self.model_adapter
+        step = self.compiled
         b, t = positions.shape
         tb, key = step.size(t)
-        layer = cache.layers[0]
-        length = layer.capacity - 1 if step.cuda else q_start + tb
-        dtype = states[0].dtype
+        masks, positions, slots = self._padded_inputs(cache.layers, [self.adapter.window(like)], positions, q_start,
+                                                      states[0].dtype, tree)
+        states = [padded(s, tb) for s in states]
+        step.mark_tokens(*((s, 1) for s in states))
+        k, v = cache.layers[0].buffers()
+        out = step.call(slot_own_pass, ("own", fn.__name__, number, b, key), fn, self.model_adapter, module,
+                        positions, next(iter(masks.values())), slots, k, v, *states)
+        return self._written(cache.layers, out, t)
+
+    def _padded_inputs(self, layers, windows, positions, q_start: int, dtype, tree: Tree | None):
+        """What a compiled pass of the (B, T) positions' tokens into `layers` from slot q_start is handed, each
+        padded to the pass's Tb rows: {window: (B, 1, Tb, S) mask over the buffers' read length}, the (B, Tb)
+        positions and the (Tb,) slots they write. The masks and the layers' buffers are marked for the compiler."""
+        step, impl = self.compiled, self.model_adapter.attn_impl
+        b, t = positions.shape
+        tb, _ = step.size(t)
+        length = layers[0].capacity - 1 if step.cuda else q_start + tb
         live = self.slots.view(q_start + t)
-        mask = padded_mask(build_mask(live, positions, q_start, adapter.window(like), dtype, "sdpa", tree), q_start,
-                           t, tb, length, dtype, adapter.attn_impl)
-        k, v = layer.buffers()
-        step.mark_cache([mask], (k, v))
-        if tb > t:
+        masks = {window: padded_mask(build_mask(live, positions, q_start, window, dtype, "sdpa", tree), q_start, t, tb,
+                                     length, dtype, impl) for window in windows}
+        step.mark_cache(list(masks.values()), tuple(buffer for layer in layers for buffer in layer.buffers()))
+        if tb > t:  # a padding row sits at the last real position (its mask lets it see only its own slot)
             positions = torch.cat([positions, positions[:, -1:].expand(b, tb - t)], dim=1)
-        positions, states = dense(positions), [padded(s, tb) for s in states]
+        positions = dense(positions)
         slots = torch.arange(q_start, q_start + tb, device=positions.device)
-        step.mark_tokens((positions, 1), (slots, 0), (mask, 2), *((s, 1) for s in states))
-        out = step.call(slot_own_pass, ("own", fn.__name__, number, b, key), fn, adapter, module, positions, mask,
-                        slots, k, v, *states)
-        layer.advance(t)
-        step.announce()
-        return step.real_rows(out, t)
+        step.mark_tokens((positions, 1), (slots, 0), *((mask, 2) for mask in masks.values()))
+        return masks, positions, slots
+
+    def _written(self, layers, out, t: int):
+        """After a compiled pass: count its T tokens in `layers`, return the T real rows of its padded output."""
+        for layer in layers:
+            layer.advance(t)
+        self.compiled.announce()
+        return self.compiled.real_rows(out, t)

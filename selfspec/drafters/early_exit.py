@@ -82,7 +82,7 @@ class EarlyExitDrafter(Drafter):
             return scores if every else scores.last()
         if self.head_cache is not None:  # fused: TopStates orders the reads, the head's cache runs its layer
             normed = self.tops.normed(self.head, view.adapter, hidden, parents, run=lambda h, prev, cols: (
-                self.head_cache.draft(view, h, prev, positions[:, cols], tree)))
+                self.head_cache.feed(view, h, positions[:, cols], prev, tree)))
             normed = normed if every else normed[:, -1:]
         elif self.tops is not None:
             normed = self.tops.normed(self.head, view.adapter, hidden, parents)
